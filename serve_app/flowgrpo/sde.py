@@ -1,0 +1,165 @@
+"""The one implementation of a stochastic flow-matching step and its log-probability.
+
+Convention (diffusers ``FlowMatchEulerDiscreteScheduler``): ``x_t = (1 - t) x0 + t eps``, sigma runs
+from 1 to 0, the model predicts ``v ~ eps - x0`` and ``dt = sigma_next - sigma < 0``.
+
+The rollout sampler calls :func:`sde_step` without ``prev_sample`` (sample and score); the trainer
+calls it with the stored ``prev_sample`` (score only). Both paths run the same lines, so an
+on-policy ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+SDEType = Literal["sde", "cps", "ode"]
+SDE_TYPES: tuple[str, ...] = ("sde", "cps", "ode")
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class SDEStepResult:
+    """What one step produced.
+
+    prev_sample: [B, ...] the next latent, in the input dtype.
+    log_prob:    [B] float32, mean over all non-batch dims of the Gaussian log-density
+                 (zeros for a deterministic step).
+    mean:        [B, ...] float32 mean of the transition.
+    std:         [B, 1, ...] float32 standard deviation of the transition (zeros when deterministic).
+    """
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def _as_batch_column(value: float | torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """A sigma as float32 [B, 1, ..., 1] (or [1, ..., 1]) broadcastable against ``like``."""
+    column = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if column.ndim == 0:
+        return column.reshape([1] * like.ndim)
+    if column.ndim == 1 and column.shape[0] in (1, like.shape[0]):
+        return column.reshape([-1] + [1] * (like.ndim - 1))
+    if column.ndim == like.ndim:
+        return column
+    raise ValueError(
+        f"{name} must be a float, a [B] tensor or broadcastable to the sample; got shape {tuple(column.shape)} "
+        f"for a sample of shape {tuple(like.shape)}"
+    )
+
+
+def draw_noise(
+    shape: torch.Size | Sequence[int],
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+    *,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Standard normal float32 noise; one generator per sample makes each row depend on its own seed only."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+    generators = list(generator)
+    if len(generators) != shape[0]:
+        raise ValueError(f"generator: got {len(generators)} generators for a batch of {shape[0]}")
+    return torch.stack(
+        [torch.randn(tuple(shape[1:]), generator=g, device=device, dtype=torch.float32) for g in generators]
+    )
+
+
+def sde_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    noise_level: float,
+    sde_type: SDEType = "sde",
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+) -> SDEStepResult:
+    """One step from ``sigma`` to ``sigma_next``: sample ``prev_sample`` (or score the given one).
+
+    Args:
+        velocity: [B, ...] the model's (CFG-combined) velocity at ``sample``.
+        sample: [B, ...] the current latent x_sigma.
+        sigma, sigma_next: floats or tensors broadcastable over the batch, ``sigma_next < sigma``.
+        noise_level: the ``a`` of Flow-GRPO (>= 0); 0 gives the deterministic Euler step.
+        sde_type: ``"sde"`` (Flow-SDE), ``"cps"`` (coefficients-preserving) or ``"ode"`` (Euler).
+        prev_sample: when given, it is scored instead of sampled (the trainer's recomputation).
+        generator: one generator, or one per sample so each row's noise depends on its seed only.
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0; got {noise_level}")
+    if velocity.shape != sample.shape:
+        raise ValueError(
+            f"velocity shape {tuple(velocity.shape)} does not match sample shape {tuple(sample.shape)}"
+        )
+    if prev_sample is not None and prev_sample.shape != sample.shape:
+        raise ValueError(
+            f"prev_sample shape {tuple(prev_sample.shape)} does not match sample shape {tuple(sample.shape)}"
+        )
+    sigma_t = _as_batch_column(sigma, sample, "sigma")
+    sigma_n = _as_batch_column(sigma_next, sample, "sigma_next")
+    if bool((sigma_n >= sigma_t).any()):
+        raise ValueError(
+            f"sigma_next must be < sigma (sigma runs from 1 to 0); got sigma={sigma}, sigma_next={sigma_next}"
+        )
+
+    # Upcast: the log-density of a small step is a difference of nearly equal numbers, and a bf16
+    # mean would move the ratio by more than the clip range.
+    x = sample.float()
+    v = velocity.float()
+    dt = sigma_n - sigma_t
+
+    if sde_type == "ode" or noise_level == 0:
+        mean = x + v * dt
+        std = torch.zeros_like(sigma_t.expand(x.shape[:1] + (1,) * (x.ndim - 1)))
+        out = mean.to(sample.dtype) if prev_sample is None else prev_sample
+        return SDEStepResult(out, torch.zeros(x.shape[0], device=x.device), mean, std)
+
+    if sde_type == "sde":
+        # At sigma == 1 the marginal has no signal left and 1 - sigma == 0; the next sigma keeps it finite.
+        sigma_for_denominator = torch.where(sigma_t >= 1.0, sigma_n, sigma_t)
+        std_dev_t = noise_level * torch.sqrt(sigma_t / (1.0 - sigma_for_denominator))
+        mean = (
+            x * (1.0 + std_dev_t**2 / (2.0 * sigma_t) * dt)
+            + v * (1.0 + std_dev_t**2 * (1.0 - sigma_t) / (2.0 * sigma_t)) * dt
+        )
+        std = std_dev_t * torch.sqrt(-dt)
+    else:  # cps
+        std = sigma_n * math.sin(noise_level * math.pi / 2.0)
+        x0_hat = x - sigma_t * v
+        x1_hat = x + (1.0 - sigma_t) * v
+        mean = (1.0 - sigma_n) * x0_hat + torch.sqrt((sigma_n**2 - std**2).clamp_min(0.0)) * x1_hat
+    std = std.expand(x.shape[:1] + (1,) * (x.ndim - 1))
+
+    if prev_sample is None:
+        noise = draw_noise(x.shape, generator, device=x.device)
+        prev_sample = (mean + std * noise).to(sample.dtype)
+    # Score the value the caller keeps (rounded to its dtype), so scoring it later gives this number.
+    x_prev = prev_sample.float()
+    reduce_dims = tuple(range(1, x.ndim))
+    if sde_type == "sde":
+        log_density = -((x_prev - mean) ** 2) / (2.0 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    else:
+        # The CPS reference drops the constants and the 1 / (2 std^2) scale; kept so clip ranges carry over.
+        log_density = -((x_prev - mean) ** 2)
+    return SDEStepResult(prev_sample, log_density.mean(dim=reduce_dims), mean, std)
+
+
+def kl_between_means(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample KL of two Gaussians with one std: mean over non-batch dims of (mu - mu_ref)^2 / (2 std^2).
+
+    This is the per-dimension KL (the reference code's form without the |dt| factor folded in).
+    Returns [B]. Deterministic steps (std == 0) contribute 0.
+    """
+    safe_std = torch.where(std > 0, std, torch.ones_like(std))
+    per_dim = (mean - mean_ref) ** 2 / (2.0 * safe_std**2) * (std > 0)
+    return per_dim.mean(dim=tuple(range(1, mean.ndim)))
