@@ -1,0 +1,139 @@
+"""Reward registry: names and import paths to reward callables.
+
+A *reward* is a callable ``(images, prompts) -> rewards`` with ``images`` a uint8 tensor
+``[B, 3, H, W]``, ``prompts`` a sequence of ``B`` strings and ``rewards`` a float tensor ``[B]``.
+A *factory* takes keyword arguments (the ``args`` of a reward spec) and returns a reward, so that
+configuration stays plain data that can travel to any Ray worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+import torch
+
+
+class RewardFn(Protocol):
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor: ...
+
+
+RewardFactory = Callable[..., RewardFn]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRY: dict[str, RewardFactory] = {}
+# Marks a factory so that an import path to a decorated function is called with its kwargs
+# instead of being mistaken for a plain reward.
+_FACTORY_MARK = "__reward_factory__"
+
+
+def register_reward(name: str) -> Callable[[F], F]:
+    """Decorator registering a reward factory under ``name``."""
+    if not name or ":" in name:
+        raise ValueError(f"invalid reward name {name!r}: must be non-empty and contain no ':'")
+
+    def deco(factory: F) -> F:
+        old = _REGISTRY.get(name)
+        # Re-running the same definition (module reload) replaces it; a different one is a clash.
+        if old is not None and _qualname(old) != _qualname(factory):
+            raise ValueError(f"reward {name!r} is already registered to {_qualname(old)}")
+        setattr(factory, _FACTORY_MARK, True)
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def registered_rewards() -> tuple[str, ...]:
+    """Sorted names of the registered rewards (built-ins included)."""
+    _load_builtins()
+    return tuple(sorted(_REGISTRY))
+
+
+def build_reward(name: str, **kwargs: Any) -> RewardFn:
+    """Resolve a registered name or an import path ``"package.module:attribute"`` to a reward.
+
+    For an import path, the attribute (dots allowed: ``"mod:Cls.method"``) may be a class, a
+    factory or a plain reward callable. Classes and factories are called with ``kwargs``; a plain
+    reward (two or more required positional parameters) is used as is and takes no ``kwargs``.
+
+    Raises:
+        ValueError: unknown name, unimportable path, bad arguments or a non-callable result.
+    """
+    _load_builtins()
+    if ":" in name:
+        target = _import_attr(name)
+        if _is_plain_reward(target):
+            if kwargs:
+                raise ValueError(f"reward {name!r} is a plain reward callable and takes no args, got {sorted(kwargs)}")
+            return target
+        return _call_factory(name, target, kwargs)
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}. "
+            f"An import path 'package.module:attribute' is also accepted."
+        )
+    return _call_factory(name, _REGISTRY[name], kwargs)
+
+
+def _load_builtins() -> None:
+    # Imported here, not at module top, because builtin.py imports this module to register.
+    from . import builtin  # noqa: F401
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _import_attr(path: str) -> Any:
+    module_name, _, attr_path = path.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"invalid reward import path {path!r}; expected 'package.module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {module_name!r} for reward {path!r}: {e}") from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ValueError(f"module {module_name!r} has no attribute {attr_path!r} (reward {path!r})") from e
+    return obj
+
+
+def _is_plain_reward(obj: Any) -> bool:
+    if inspect.isclass(obj) or getattr(obj, _FACTORY_MARK, False) or not callable(obj):
+        return False
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.kind in positional and p.default is inspect.Parameter.empty]
+    return len(required) >= 2
+
+
+def _call_factory(name: str, factory: Any, kwargs: dict[str, Any]) -> RewardFn:
+    if not callable(factory):
+        raise ValueError(f"reward {name!r} resolves to a non-callable {type(factory).__name__}")
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad args for reward {name!r}: {e}") from e
+    except ValueError:
+        pass  # no introspectable signature (some builtins); let the call itself decide
+    reward = factory(**kwargs)
+    if not callable(reward):
+        raise ValueError(f"factory of reward {name!r} returned a non-callable {type(reward).__name__}")
+    return reward
+
+
+def check_image_batch(images: torch.Tensor, prompts: Sequence[str]) -> None:
+    """Raise ValueError unless ``images`` is uint8 ``[B, 3, H, W]`` and there are ``B`` prompts."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+        desc = f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a uint8 tensor [B, 3, H, W], got {desc}")
+    if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+        n = "a str" if isinstance(prompts, str) else len(prompts)
+        raise ValueError(f"expected {images.shape[0]} prompts, one per image, got {n}")
