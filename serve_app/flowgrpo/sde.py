@@ -60,15 +60,19 @@ def draw_noise(
     *,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Standard normal float32 noise; one generator per sample makes each row depend on its own seed only."""
+    """Standard normal float32 noise; one generator per sample makes each row depend on its own seed only.
+
+    Noise is drawn on the generator's device and then moved, so a CPU generator gives the same
+    numbers whether the model runs on a CPU or a GPU.
+    """
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+        gen_device = generator.device if generator is not None else device
+        return torch.randn(tuple(shape), generator=generator, device=gen_device).to(device)
     generators = list(generator)
     if len(generators) != shape[0]:
         raise ValueError(f"generator: got {len(generators)} generators for a batch of {shape[0]}")
-    return torch.stack(
-        [torch.randn(tuple(shape[1:]), generator=g, device=device, dtype=torch.float32) for g in generators]
-    )
+    rows = [torch.randn(tuple(shape[1:]), generator=g, device=g.device) for g in generators]
+    return torch.stack(rows).to(device)
 
 
 def sde_step(

@@ -1,0 +1,30 @@
+"""Seeds: every sample's noise derives from (request seed, prompt index, sample index) only, so a
+sample is the same whichever replica or batch it lands in, and a retried request reproduces it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def derive_sample_seed(request_seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed, statistically independent across (prompt, sample) pairs."""
+    state = np.random.SeedSequence([request_seed, prompt_index, sample_index]).generate_state(2, dtype=np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1])) & (2**63 - 1)
+
+
+def sample_generators(seeds: torch.Tensor) -> list[torch.Generator]:
+    """One CPU generator per sample."""
+    return [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds.tolist()]
+
+
+def draw_window_start(request_seed: int, window_range: tuple[int, int]) -> int:
+    """The SDE window's first step, shared by every chunk of a request (so groups stack)."""
+    lo, hi = window_range
+    return random.Random(request_seed).randrange(lo, hi)
+
+
+def fresh_request_seed() -> int:
+    return random.SystemRandom().randrange(0, 2**63)

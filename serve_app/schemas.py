@@ -1,0 +1,265 @@
+"""Request, chunk and trajectory types: the contracts between the ingress, the replicas, the
+aggregator and the trainer, in one place.
+
+Settings and requests are pydantic models (validated at the edge, JSON-friendly); everything that
+carries tensors is a dataclass of tensors, so nothing numeric turns into Python lists between
+deployments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+class SamplingParams(BaseModel):
+    """How to sample one rollout request (all samples of a request share these)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    height: int = Field(32, ge=1, description="Image height in pixels; a multiple of the model's spatial factor.")
+    width: int = Field(32, ge=1, description="Image width in pixels; a multiple of the model's spatial factor.")
+    num_steps: int = Field(10, ge=1, le=1000, description="Denoising steps (sigma schedule length - 1).")
+    guidance_scale: float = Field(4.0, ge=0.0, description="True CFG scale; > 1 runs the negative prompt too.")
+    negative_prompt: str = Field(" ", max_length=2000, description="Negative prompt for true CFG.")
+    noise_level: float = Field(1.2, ge=0.0, description="The `a` of Flow-GRPO; 0 samples the ODE.")
+    sde_type: Literal["sde", "cps", "ode"] = Field("sde", description="Stochastic step used inside the window.")
+    sde_window_size: int | None = Field(
+        2, ge=1, description="Stochastic (trained) steps per trajectory; None makes every step but the last stochastic."
+    )
+    sde_window_range: tuple[int, int] = Field(
+        (0, 5), description="Half-open range [lo, hi) the window's first step is drawn from (Flow-GRPO-Fast)."
+    )
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
+
+    @model_validator(mode="after")
+    def _check_window(self) -> SamplingParams:
+        lo, hi = self.sde_window_range
+        if not 0 <= lo < hi:
+            raise ValueError(f"sde_window_range must satisfy 0 <= lo < hi; got {self.sde_window_range}")
+        if self.sde_window_size is not None:
+            last_start = hi - 1
+            # The last step is always deterministic, so the window must end before it.
+            if last_start + self.sde_window_size > self.num_steps - 1:
+                raise ValueError(
+                    f"SDE window outside the steps: a window of {self.sde_window_size} starting as late as step "
+                    f"{last_start} (sde_window_range={self.sde_window_range}) needs num_steps >= "
+                    f"{last_start + self.sde_window_size + 1}; got num_steps={self.num_steps}"
+                )
+        return self
+
+    def for_validation(self, *, num_steps: int | None = None, seed: int | None = None) -> SamplingParams:
+        """Evaluation settings: the ODE (noise 0), usually with more steps and a fixed seed."""
+        return self.model_copy(
+            update={
+                "noise_level": 0.0,
+                "sde_type": "ode",
+                "sde_window_size": None,
+                "sde_window_range": (0, 1),
+                "num_steps": num_steps or self.num_steps,
+                "seed": self.seed if seed is None else seed,
+            }
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors between deployments
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning, once per distinct prompt.
+
+    embeds: [P, L, D] padded to the longest prompt in this set (not to a global maximum).
+    mask:   [P, L] bool, True on real tokens.
+    pooled: [P, D'] pooled projection for families that use one (SD3), else None.
+    """
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.embeds.shape[0]
+
+    def select(self, index: torch.Tensor) -> PromptEmbeds:
+        """Rows for each sample ([B] long index into P), trimmed to the longest selected prompt."""
+        mask = self.mask[index]
+        length = max(int(mask.sum(dim=1).max()), 1)
+        return PromptEmbeds(
+            self.embeds[index, :length],
+            mask[:, :length],
+            None if self.pooled is None else self.pooled[index],
+        )
+
+    @staticmethod
+    def cat(parts: list[PromptEmbeds]) -> PromptEmbeds:
+        """Stack several prompt sets, padding to the longest one."""
+        length = max(p.embeds.shape[1] for p in parts)
+        pooled = [p.pooled for p in parts]
+        return PromptEmbeds(
+            torch.cat([_pad_tokens(p.embeds, length) for p in parts]),
+            torch.cat([_pad_tokens(p.mask, length) for p in parts]),
+            None if any(x is None for x in pooled) else torch.cat(pooled),  # type: ignore[arg-type]
+        )
+
+
+def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dim 1 (tokens) of [P, L] or [P, L, D] to `length`."""
+    extra = length - tensor.shape[1]
+    if extra == 0:
+        return tensor
+    pad_shape = (tensor.shape[0], extra, *tensor.shape[2:])
+    return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=1)
+
+
+@dataclass
+class PromptTokens:
+    """One prompt after the ingress: its text and, per tokenizer of the family, 1-D token ids."""
+
+    text: str
+    token_ids: dict[str, torch.Tensor]
+
+
+@dataclass
+class RolloutChunk:
+    """A replica's unit of work: some samples of one request (they share sampling params and window).
+
+    prompts: the distinct prompts this chunk needs; `prompt_slot` indexes into it.
+    prompt_index / sample_index: the sample's place in the request (group = prompt_index).
+    seeds: [n] per-sample seeds; a sample's noise depends on its seed only.
+    """
+
+    request_id: str
+    sampling: SamplingParams
+    prompts: list[PromptTokens]
+    negative_prompt: PromptTokens | None
+    prompt_slot: torch.Tensor
+    prompt_index: torch.Tensor
+    sample_index: torch.Tensor
+    seeds: torch.Tensor
+    window_start: int | None
+    policy_version: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.seeds.shape[0])
+
+
+@dataclass
+class Trajectory:
+    """Sampled trajectories of B samples (one chunk, or a whole request once aggregated).
+
+    latents:          [B, K+1, *latent_shape] the latents entering each stochastic step and the last one's output.
+    log_probs:        [B, K] float32 log-probs of each stochastic transition.
+    sigmas:           [N+1] float32 the full schedule (N = num_steps).
+    step_indices:     [K] long, which steps of the schedule are stochastic (the SDE window).
+    images:           [B, 3, H, W] uint8 decoded images.
+    seeds:            [B] long per-sample seeds.
+    prompt_embeds:    conditioning once per prompt (P rows); `prompt_index` [B] maps a sample to its row.
+    negative_embeds:  one row, shared by all samples, or None without CFG.
+    sample_index:     [B] long, the sample's index within its group.
+    policy_version:   the weights version that produced every sample here.
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    step_indices: torch.Tensor
+    images: torch.Tensor
+    seeds: torch.Tensor
+    prompt_embeds: PromptEmbeds
+    prompt_index: torch.Tensor
+    negative_embeds: PromptEmbeds | None
+    sampling: SamplingParams
+    sample_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    policy_version: int = 0
+
+    def __len__(self) -> int:
+        return int(self.seeds.shape[0])
+
+    def with_prompt_rows(self, prompt_embeds: PromptEmbeds, prompt_index: torch.Tensor) -> Trajectory:
+        return replace(self, prompt_embeds=prompt_embeds, prompt_index=prompt_index)
+
+    def nbytes(self) -> int:
+        """Bytes of tensor payload (what crosses the wire between deployments)."""
+        total = 0
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif isinstance(value, PromptEmbeds):
+                for t in (value.embeds, value.mask, value.pooled):
+                    if t is not None:
+                        total += t.numel() * t.element_size()
+        return total
+
+
+@dataclass
+class TrajectoryBatch:
+    """What a rollout request returns: whole groups, rewards and advantages, as tensors.
+
+    Samples are ordered by (prompt_index, sample_index): group g occupies rows g*G .. g*G+G-1.
+    rewards: per reward key [B] float32 (the weighted sum under "total").
+    advantages: [B] float32 group-relative advantages.
+    metrics: scalar summaries (reward mean/std, tied-group share, timings).
+    """
+
+    trajectory: Trajectory
+    prompts: list[str]
+    group_size: int
+    rewards: dict[str, torch.Tensor]
+    advantages: torch.Tensor
+    metrics: dict[str, float]
+    request_id: str = ""
+
+    def __len__(self) -> int:
+        return len(self.trajectory)
+
+    @property
+    def policy_version(self) -> int:
+        return self.trajectory.policy_version
+
+
+# ---------------------------------------------------------------------------------------------
+# The HTTP / handle request
+
+
+class RolloutRequest(BaseModel):
+    """A rollout request as the ingress receives it (HTTP JSON or handle)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str] = Field(..., min_length=1, description="Prompts; each becomes one group.")
+    group_size: int = Field(..., ge=1, description="Samples per prompt.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
+    policy_version: int | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
+    return_images: bool = Field(False, description="HTTP only: include PNG images (base64) in the answer.")
+
+
+class SampleOut(BaseModel):
+    prompt_index: int
+    sample_index: int
+    seed: int
+    reward: float
+    advantage: float
+    log_probs: list[float]
+    image_png_base64: str | None = None
+
+
+class RolloutResponse(BaseModel):
+    """The HTTP answer: JSON is for people and other languages; trainers use the handle and tensors."""
+
+    policy_version: int
+    request_id: str
+    samples: list[SampleOut]
+    metrics: dict[str, float]
+
+
+ErrorKind = Literal["invalid_request", "too_large", "overloaded", "version", "reward", "internal"]

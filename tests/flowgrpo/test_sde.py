@@ -1,0 +1,126 @@
+import math
+
+import pytest
+import torch
+
+from serve_app.flowgrpo.sde import kl_between_means, sde_step
+
+
+def _inputs(batch=3, shape=(4, 5), seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *shape, generator=g).to(dtype)
+    v = torch.randn(batch, *shape, generator=g).to(dtype)
+    return v, x
+
+
+def test_sde_log_prob_is_mean_of_normal_density():
+    v, x = _inputs()
+    out = sde_step(v, x, 0.7, 0.6, noise_level=0.7, generator=torch.Generator().manual_seed(1))
+    expected = torch.distributions.Normal(out.mean, out.std).log_prob(out.prev_sample.float()).mean(dim=(1, 2))
+    torch.testing.assert_close(out.log_prob, expected, rtol=0, atol=1e-5)
+    assert out.log_prob.shape == (3,)
+
+
+def test_sde_mean_and_std_follow_flow_sde_formula():
+    v, x = _inputs()
+    sigma, sigma_next, a = 0.7, 0.6, 0.7
+    out = sde_step(v, x, sigma, sigma_next, noise_level=a)
+    dt = sigma_next - sigma
+    std_dev_t = a * math.sqrt(sigma / (1 - sigma))
+    mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    torch.testing.assert_close(out.mean, mean)
+    torch.testing.assert_close(out.std, torch.full((3, 1, 1), std_dev_t * math.sqrt(-dt)))
+
+
+def test_scoring_the_sampled_value_gives_the_same_log_prob_exactly():
+    v, x = _inputs()
+    sampled = sde_step(v, x, 0.9, 0.8, noise_level=1.2, generator=torch.Generator().manual_seed(3))
+    scored = sde_step(v, x, 0.9, 0.8, noise_level=1.2, prev_sample=sampled.prev_sample)
+    assert torch.equal(scored.log_prob, sampled.log_prob)
+    assert torch.equal(torch.exp(scored.log_prob - sampled.log_prob), torch.ones(3))
+
+
+def test_bf16_input_scores_the_rounded_sample():
+    v, x = _inputs(dtype=torch.bfloat16)
+    sampled = sde_step(v, x, 0.9, 0.8, noise_level=1.0, generator=torch.Generator().manual_seed(3))
+    assert sampled.prev_sample.dtype == torch.bfloat16
+    assert sampled.mean.dtype == torch.float32
+    rescored = sde_step(v, x, 0.9, 0.8, noise_level=1.0, prev_sample=sampled.prev_sample)
+    assert torch.equal(rescored.log_prob, sampled.log_prob)
+
+
+def test_noise_level_zero_and_ode_are_the_euler_step():
+    v, x = _inputs()
+    for kwargs in ({"noise_level": 0.0}, {"noise_level": 0.7, "sde_type": "ode"}):
+        out = sde_step(v, x, 0.5, 0.25, **kwargs)
+        torch.testing.assert_close(out.prev_sample, x + v * (0.25 - 0.5))
+        assert torch.equal(out.log_prob, torch.zeros(3))
+
+
+def test_sigma_one_stays_finite():
+    v, x = _inputs()
+    out = sde_step(v, x, 1.0, 0.9, noise_level=1.2, generator=torch.Generator().manual_seed(0))
+    for t in (out.prev_sample, out.log_prob, out.mean, out.std):
+        assert torch.isfinite(t).all()
+    # The denominator falls back to 1 - sigma_next: std = a * sqrt(1 / 0.1) * sqrt(0.1) = a.
+    torch.testing.assert_close(out.std, torch.full((3, 1, 1), 1.2))
+
+
+def test_cps_preserves_the_marginal_coefficients():
+    # With a perfect velocity v = eps - x0, CPS mean = (1 - s') x0 + sqrt(s'^2 - std^2) eps, so
+    # signal + noise variances stay those of x_{s'} = (1 - s') x0 + s' eps.
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    sigma, sigma_next, a = 0.8, 0.6, 0.7
+    x = (1 - sigma) * x0 + sigma * eps
+    out = sde_step(eps - x0, x, sigma, sigma_next, noise_level=a, sde_type="cps")
+    std = sigma_next * math.sin(a * math.pi / 2)
+    torch.testing.assert_close(out.std, torch.full((2, 1, 1), std))
+    torch.testing.assert_close(out.mean, (1 - sigma_next) * x0 + math.sqrt(sigma_next**2 - std**2) * eps, atol=1e-6, rtol=0)
+    assert math.isclose(float(out.std[0, 0, 0]) ** 2 + (sigma_next**2 - std**2), sigma_next**2, rel_tol=1e-6)
+    torch.testing.assert_close(out.log_prob, -((out.prev_sample - out.mean) ** 2).mean(dim=(1, 2)))
+
+
+def test_tensor_sigmas_per_sample():
+    v, x = _inputs()
+    sigma = torch.tensor([0.9, 0.5, 0.3])
+    out = sde_step(v, x, sigma, sigma - 0.1, noise_level=0.0)
+    torch.testing.assert_close(out.prev_sample, x - 0.1 * v)
+
+
+def test_per_sample_generators_make_rows_independent_of_neighbours():
+    v, x = _inputs(batch=3)
+    gens = [torch.Generator().manual_seed(s) for s in (10, 11, 12)]
+    batched = sde_step(v, x, 0.9, 0.8, noise_level=1.0, generator=gens)
+    alone = sde_step(v[1:2], x[1:2], 0.9, 0.8, noise_level=1.0, generator=[torch.Generator().manual_seed(11)])
+    assert torch.equal(batched.prev_sample[1:2], alone.prev_sample)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"sigma": 0.5, "sigma_next": 0.5}, "sigma_next"),
+        ({"sigma": 0.5, "sigma_next": 0.7}, "sigma_next"),
+        ({"noise_level": -0.1}, "noise_level"),
+        ({"sde_type": "ddim"}, "sde_type"),
+        ({"velocity": torch.zeros(3, 4, 4)}, "velocity"),
+        ({"prev_sample": torch.zeros(2, 4, 5)}, "prev_sample"),
+        ({"sigma": torch.tensor([0.5, 0.6])}, "sigma"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, name):
+    v, x = _inputs()
+    args = {"velocity": v, "sample": x, "sigma": 0.9, "sigma_next": 0.8, "noise_level": 0.7}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        sde_step(args.pop("velocity"), args.pop("sample"), args.pop("sigma"), args.pop("sigma_next"), **args)
+
+
+def test_kl_between_means_is_per_dim_gaussian_kl():
+    mean = torch.zeros(2, 3)
+    mean_ref = torch.ones(2, 3)
+    std = torch.full((2, 1), 0.5)
+    torch.testing.assert_close(kl_between_means(mean, mean_ref, std), torch.full((2,), 1 / (2 * 0.25)))
+    p = torch.distributions.Normal(mean, std.expand(2, 3))
+    q = torch.distributions.Normal(mean_ref, std.expand(2, 3))
+    torch.testing.assert_close(kl_between_means(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(1))
