@@ -1,0 +1,78 @@
+"""Model-family adapters over diffusers pipelines, chosen by name or by the pipeline directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from serve_app.policies.base import DiffusionPolicy, TextProcessor, images_to_uint8
+
+__all__ = [
+    "DiffusionPolicy",
+    "TextProcessor",
+    "images_to_uint8",
+    "SUPPORTED_FAMILIES",
+    "policy_class",
+    "detect_family",
+    "load_policy",
+    "load_text_processor",
+]
+
+SUPPORTED_FAMILIES = ("qwen_image", "sd3")
+
+
+def policy_class(family: str) -> type[DiffusionPolicy]:
+    # Imported lazily: each family pulls its own diffusers pipeline module.
+    if family == "qwen_image":
+        from serve_app.policies.qwen_image import QwenImagePolicy
+
+        return QwenImagePolicy
+    if family == "sd3":
+        from serve_app.policies.sd3 import SD3Policy
+
+        return SD3Policy
+    raise ValueError(f"unknown model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+def detect_family(local_dir: str | Path) -> str:
+    """The family of a diffusers pipeline directory, from its model_index.json."""
+    index_file = Path(local_dir) / "model_index.json"
+    if not index_file.is_file():
+        found = sorted(p.name for p in Path(local_dir).iterdir())[:10] if Path(local_dir).is_dir() else "nothing"
+        raise ValueError(
+            f"{local_dir} is not a diffusers pipeline directory (no model_index.json; found: {found}); "
+            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    class_name = json.loads(index_file.read_text()).get("_class_name")
+    for family in SUPPORTED_FAMILIES:
+        if class_name in policy_class(family).pipeline_class_names:
+            return family
+    raise ValueError(
+        f"{local_dir} holds a {class_name!r} pipeline; supported families: "
+        + ", ".join(f"{f} ({'/'.join(policy_class(f).pipeline_class_names)})" for f in SUPPORTED_FAMILIES)
+    )
+
+
+def load_policy(
+    local_dir: str | Path,
+    *,
+    family: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DiffusionPolicy:
+    """Load a pipeline directory; `family` is checked against what the directory holds."""
+    found = detect_family(local_dir)
+    if family is not None and family != found:
+        policy_class(family)  # an unknown name gets the list of supported ones
+        raise ValueError(f"{local_dir} holds a {found} pipeline, but family {family!r} was asked for")
+    return policy_class(found).from_pretrained(local_dir, device=device, dtype=dtype)
+
+
+def load_text_processor(local_dir: str | Path, *, family: str | None = None) -> TextProcessor:
+    """The tokenizer side only (no model weights): what the ingress needs."""
+    found = detect_family(local_dir)
+    if family is not None and family != found:
+        raise ValueError(f"{local_dir} holds a {found} pipeline, but family {family!r} was asked for")
+    return policy_class(found).load_text_processor(local_dir)

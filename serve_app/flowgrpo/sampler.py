@@ -1,0 +1,263 @@
+"""Rollout sampling with per-step log-probs, and the replay of a stored transition.
+
+Both :func:`rollout` (sampling) and :func:`replay_step` (the trainer's recomputation) go through
+:func:`transition`, which calls the policy's velocity and :func:`sde_step`: one code path, so the
+on-policy ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.flowgrpo.sde import SDEStepResult, draw_noise, sde_step
+from serve_app.flowgrpo.seeding import derive_sample_seed, draw_window_start, fresh_request_seed, sample_generators
+from serve_app.policies.base import DiffusionPolicy, images_to_uint8
+from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams, Trajectory
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Per-sample text conditioning: rows of `prompts` picked by `embed_row` [B]."""
+
+    prompts: PromptEmbeds
+    embed_row: torch.Tensor
+    negative: PromptEmbeds | None
+
+
+def window_steps(params: SamplingParams, window_start: int | None) -> list[int]:
+    """The stochastic steps: a window of `sde_window_size` from `window_start`, or every step but the last."""
+    if params.sde_window_size is None:
+        return list(range(params.num_steps - 1))
+    if window_start is None:
+        raise ValueError("window_start is required when sde_window_size is set")
+    lo, hi = params.sde_window_range
+    if not lo <= window_start < hi:
+        raise ValueError(f"window_start {window_start} outside sde_window_range {params.sde_window_range}")
+    return list(range(window_start, window_start + params.sde_window_size))
+
+
+def transition(
+    policy: DiffusionPolicy,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    conditioning: Conditioning,
+    params: SamplingParams,
+    *,
+    stochastic: bool,
+    prev_sample: torch.Tensor | None = None,
+    generator: Sequence[torch.Generator] | None = None,
+) -> SDEStepResult:
+    """One denoising step of a batch: velocity (with CFG) then the SDE (or ODE) step."""
+    batch = latents.shape[0]
+    velocity = policy.velocity(
+        latents,
+        sigma.expand(batch),
+        conditioning.prompts.select(conditioning.embed_row),
+        negative=conditioning.negative,
+        guidance_scale=params.guidance_scale,
+        height=params.height,
+        width=params.width,
+    )
+    return sde_step(
+        velocity,
+        latents,
+        sigma,
+        sigma_next,
+        noise_level=params.noise_level if stochastic else 0.0,
+        sde_type=params.sde_type if stochastic else "ode",
+        prev_sample=prev_sample,
+        generator=generator,
+    )
+
+
+@dataclass
+class DenoiseResult:
+    final_latents: torch.Tensor
+    window_latents: torch.Tensor  # [B, K+1, ...]
+    log_probs: torch.Tensor  # [B, K]
+
+
+@torch.no_grad()
+def denoise(
+    policy: DiffusionPolicy,
+    conditioning: Conditioning,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    steps: list[int],
+    params: SamplingParams,
+    generators: Sequence[torch.Generator],
+) -> DenoiseResult:
+    """The denoising loop: ODE steps outside the window, SDE steps (with log-probs) inside it."""
+    stochastic = set(steps)
+    recorded: list[torch.Tensor] = []
+    log_probs: list[torch.Tensor] = []
+    for i in range(params.num_steps):
+        if i in stochastic:
+            recorded.append(latents)
+        result = transition(
+            policy, latents, sigmas[i], sigmas[i + 1], conditioning, params,
+            stochastic=i in stochastic, generator=generators,
+        )
+        latents = result.prev_sample
+        if i in stochastic:
+            log_probs.append(result.log_prob)
+            if i + 1 not in stochastic:
+                recorded.append(latents)
+    batch = latents.shape[0]
+    window = torch.stack(recorded, dim=1) if recorded else latents.new_zeros((batch, 0, *latents.shape[1:]))
+    logp = torch.stack(log_probs, dim=1) if log_probs else torch.zeros(batch, 0)
+    return DenoiseResult(latents, window, logp.float())
+
+
+def check_params(policy: DiffusionPolicy, params: SamplingParams) -> None:
+    policy.check_size(params.height, params.width)
+
+
+def initial_latents(policy: DiffusionPolicy, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """x_1 ~ N(0, I) per sample from its own generator (the first draw of its stream)."""
+    shape = (len(generators), *policy.latent_shape(params.height, params.width))
+    return draw_noise(shape, generators, device=policy.device).to(policy.dtype)
+
+
+def rollout(
+    policy: DiffusionPolicy,
+    conditioning: Conditioning,
+    seeds: torch.Tensor,
+    params: SamplingParams,
+    *,
+    window_start: int | None,
+    prompt_index: torch.Tensor,
+    sample_index: torch.Tensor,
+    policy_version: int = 0,
+) -> Trajectory:
+    """Sample B trajectories (B = len(seeds)) and record the SDE window's latents and log-probs.
+
+    prompt_index / sample_index [B] say where each sample belongs in its request (kept, not used).
+    """
+    # 1. Check inputs
+    check_params(policy, params)
+    batch_shape = (conditioning.embed_row.shape[0],)
+    for name, t in (("seeds", seeds), ("prompt_index", prompt_index), ("sample_index", sample_index)):
+        if t.shape != batch_shape:
+            raise ValueError(f"{name} must be [B] = {batch_shape} like the conditioning rows; got {tuple(t.shape)}")
+    steps = window_steps(params, window_start)
+    # 2. Schedule and per-sample noise streams
+    sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width).to(policy.device)
+    generators = sample_generators(seeds)
+    latents = initial_latents(policy, params, generators)
+    # 3. Denoising loop
+    result = denoise(policy, conditioning, latents, sigmas, steps, params, generators)
+    # 4. Decode
+    images = images_to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width))
+    return Trajectory(
+        latents=result.window_latents.cpu(),
+        log_probs=result.log_probs.cpu(),
+        sigmas=sigmas.cpu(),
+        step_indices=torch.tensor(steps, dtype=torch.long),
+        images=images,
+        seeds=seeds.clone(),
+        prompt_embeds=_to_cpu(conditioning.prompts),
+        embed_row=conditioning.embed_row.cpu(),
+        negative_embeds=None if conditioning.negative is None else _to_cpu(conditioning.negative),
+        sampling=params,
+        prompt_index=prompt_index.clone(),
+        sample_index=sample_index.clone(),
+        policy_version=policy_version,
+    )
+
+
+def sample_group(
+    policy: DiffusionPolicy,
+    prompts: Sequence[PromptTokens],
+    group_size: int,
+    params: SamplingParams,
+    *,
+    negative: PromptTokens | None = None,
+    policy_version: int = 0,
+) -> Trajectory:
+    """`group_size` samples of each prompt in one batch; seeds derive from `params.seed`.
+
+    The in-process equivalent of one rollout request (the service splits the same work into chunks).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1; got {group_size}")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    request_seed = params.seed if params.seed is not None else fresh_request_seed()
+    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)  # AABB: a group is contiguous
+    sample_index = torch.arange(group_size).repeat(len(prompts))
+    seeds = torch.tensor(
+        [derive_sample_seed(request_seed, int(p), int(s)) for p, s in zip(prompt_index, sample_index)],
+        dtype=torch.long,
+    )
+    window_start = None if params.sde_window_size is None else draw_window_start(request_seed, params.sde_window_range)
+    conditioning = encode_conditioning(policy, prompts, prompt_index, negative, params)
+    return rollout(
+        policy, conditioning, seeds, params, window_start=window_start,
+        prompt_index=prompt_index, sample_index=sample_index, policy_version=policy_version,
+    )
+
+
+def encode_conditioning(
+    policy: DiffusionPolicy,
+    prompts: Sequence[PromptTokens],
+    embed_row: torch.Tensor,
+    negative: PromptTokens | None,
+    params: SamplingParams,
+) -> Conditioning:
+    """Encode each distinct prompt once (and the negative once when CFG is on); sample b uses row embed_row[b]."""
+    use_cfg = params.guidance_scale > 1.0
+    if use_cfg and negative is None:
+        negative = policy.text_processor().tokenize([params.negative_prompt])[0]
+    return Conditioning(
+        policy.encode_prompts(prompts),
+        embed_row.to(torch.long),
+        policy.encode_prompts([negative]) if use_cfg and negative is not None else None,
+    )
+
+
+def replay_step(
+    policy: DiffusionPolicy,
+    trajectory: Trajectory,
+    k: int,
+    *,
+    rows: torch.Tensor | None = None,
+) -> SDEStepResult:
+    """Recompute the log-prob of stored transition k (window position) under the current weights.
+
+    Differentiable (no no_grad here): the trainer calls it inside its loss. `rows` picks samples.
+    """
+    index = torch.arange(len(trajectory)) if rows is None else rows
+    step = int(trajectory.step_indices[k])
+    device = policy.device
+    conditioning = Conditioning(
+        _to_device(trajectory.prompt_embeds, device),
+        trajectory.embed_row[index].to(device),
+        None if trajectory.negative_embeds is None else _to_device(trajectory.negative_embeds, device),
+    )
+    return transition(
+        policy,
+        trajectory.latents[index, k].to(device),
+        trajectory.sigmas[step].to(device),
+        trajectory.sigmas[step + 1].to(device),
+        conditioning,
+        trajectory.sampling,
+        stochastic=True,
+        prev_sample=trajectory.latents[index, k + 1].to(device),
+    )
+
+
+def _to_cpu(embeds: PromptEmbeds) -> PromptEmbeds:
+    return _to_device(embeds, torch.device("cpu"))
+
+
+def _to_device(embeds: PromptEmbeds, device: torch.device) -> PromptEmbeds:
+    return PromptEmbeds(
+        embeds.embeds.to(device),
+        embeds.mask.to(device),
+        None if embeds.pooled is None else embeds.pooled.to(device),
+    )

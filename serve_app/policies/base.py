@@ -1,0 +1,173 @@
+"""The contract every model family fulfils, and the parts they share (CFG batching, schedule).
+
+A policy wraps diffusers components loaded with ``from_pretrained(local_dir, local_files_only=True)``.
+The sampler and the trainer only talk to this interface, so the step math never learns which
+family it runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from serve_app.flowgrpo.cfg import combine_cfg
+from serve_app.schemas import PromptEmbeds, PromptTokens
+
+
+class TextProcessor(abc.ABC):
+    """The CPU side of a family: chat template and tokenization, used by the ingress.
+
+    Fast tokenizers keep padding/truncation settings in a Rust object that one thread mutates while
+    another encodes ("RuntimeError: Already borrowed" in tokenizers 0.22). Each thread gets its own
+    deep copy of the tokenizer, so no settings are shared and no lock serializes the encoding.
+    """
+
+    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        self._prototypes = tokenizers
+        self._local = threading.local()
+
+    def _tokenizer(self, name: str) -> Any:
+        per_thread = getattr(self._local, "tokenizers", None)
+        if per_thread is None:
+            per_thread = self._local.tokenizers = {k: copy.deepcopy(v) for k, v in self._prototypes.items()}
+        return per_thread[name]
+
+    @abc.abstractmethod
+    def format(self, prompt: str) -> str:
+        """The family's chat / prompt template applied to a user prompt."""
+
+    @abc.abstractmethod
+    def tokenize(self, prompts: Sequence[str]) -> list[PromptTokens]:
+        """Template + token ids, one entry per prompt, unpadded where the family allows."""
+
+
+class DiffusionPolicy(abc.ABC):
+    """A flow-matching text-to-image model: encode prompts, predict velocity (with true CFG), decode."""
+
+    family: ClassVar[str]
+    pipeline_class_names: ClassVar[tuple[str, ...]]
+    cfg_renormalize: ClassVar[bool]
+
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
+        self.pipeline = pipeline
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def from_pretrained(
+        cls, local_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> DiffusionPolicy:
+        pipeline = cls._pipeline_class().from_pretrained(str(local_dir), local_files_only=True, dtype=dtype)
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        for module in cls._frozen_modules(pipeline):
+            module.requires_grad_(False)
+        return cls(pipeline, device=torch.device(device), dtype=dtype)
+
+    @classmethod
+    @abc.abstractmethod
+    def _pipeline_class(cls) -> Any: ...
+
+    @staticmethod
+    @abc.abstractmethod
+    def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
+        """Text encoders and VAE: never trained here."""
+
+    @abc.abstractmethod
+    def text_processor(self) -> TextProcessor:
+        """The tokenizer side over this pipeline's own tokenizer(s)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load_text_processor(cls, local_dir: str | Path) -> TextProcessor:
+        """The tokenizer side alone, without loading any weights (for the ingress)."""
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The denoiser: what RL trains and what weight sync replaces."""
+        return self.pipeline.transformer
+
+    # -- geometry and schedule -------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def spatial_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE factor x patch size)."""
+
+    def check_size(self, height: int, width: int) -> None:
+        m = self.spatial_multiple
+        if height % m or width % m:
+            raise ValueError(
+                f"height and width must be multiples of {m} (VAE factor x patch size) for {self.family}; "
+                f"got {height}x{width}"
+            )
+
+    @abc.abstractmethod
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Shape of one sample's latent (without the batch dim)."""
+
+    def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """[N+1] float32 sigmas from 1 towards 0, ending at 0 - the scheduler's own schedule."""
+        return _cached_schedule(self, num_steps, height, width).clone()
+
+    @abc.abstractmethod
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None: ...
+
+    # -- model calls -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        """Run the text encoder(s) once per prompt."""
+
+    @abc.abstractmethod
+    def predict(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
+    ) -> torch.Tensor:
+        """Raw transformer output for latents [B, ...] at sigmas [B] with per-sample conditioning."""
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: PromptEmbeds,
+        *,
+        negative: PromptEmbeds | None,
+        guidance_scale: float,
+        height: int,
+        width: int,
+    ) -> torch.Tensor:
+        """Velocity in float32 [B, ...]; with CFG (scale > 1 and a negative), one forward of 2B rows."""
+        if negative is None or guidance_scale <= 1.0:
+            return self.predict(latents, sigma, cond, height=height, width=width).float()
+        batch = latents.shape[0]
+        both = PromptEmbeds.cat([cond, negative.select(torch.zeros(batch, dtype=torch.long))])
+        out = self.predict(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, height=height, width=width)
+        return combine_cfg(out[:batch], out[batch:], guidance_scale, renormalize=self.cfg_renormalize)
+
+    @abc.abstractmethod
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        """Images [B, 3, H, W] float in [0, 1]."""
+
+
+def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[B, 3, H, W] float in [0, 1] -> uint8, rounding to nearest."""
+    return (images.float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu()
+
+
+@lru_cache(maxsize=64)
+def _cached_schedule(policy: DiffusionPolicy, num_steps: int, height: int, width: int) -> torch.Tensor:
+    # The scheduler keeps state; a private copy per call keeps concurrent requests apart.
+    scheduler = copy.deepcopy(policy.pipeline.scheduler)
+    policy._set_timesteps(scheduler, num_steps, height, width)
+    sigmas = torch.as_tensor(np.asarray(scheduler.sigmas.cpu(), dtype=np.float32))
+    if sigmas.shape != (num_steps + 1,) or float(sigmas[-1]) != 0.0:
+        raise ValueError(f"scheduler gave an unexpected schedule of shape {tuple(sigmas.shape)} for {num_steps} steps")
+    return sigmas

@@ -1,0 +1,141 @@
+"""Qwen-Image: a Qwen2.5-VL text encoder, an MMDiT over 2x2-packed latents, a video-style VAE."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from transformers import AutoTokenizer
+
+from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.schemas import PromptEmbeds, PromptTokens
+
+# The pipeline's own template: the encoder's hidden states of the first 34 tokens (the system
+# prompt and the user header) are dropped.
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+TEMPLATE_PREFIX_TOKENS = 34
+MAX_PROMPT_TOKENS = 1024
+
+
+class QwenImageTextProcessor(TextProcessor):
+    def format(self, prompt: str) -> str:
+        return PROMPT_TEMPLATE.format(prompt)
+
+    def tokenize(self, prompts: Sequence[str]) -> list[PromptTokens]:
+        tokenizer = self._tokenizer("tokenizer")
+        encoded = tokenizer(
+            [self.format(p) for p in prompts],
+            max_length=MAX_PROMPT_TOKENS + TEMPLATE_PREFIX_TOKENS,
+            truncation=True,
+            padding=False,
+        )
+        return [
+            PromptTokens(text=p, token_ids={"tokenizer": torch.tensor(ids, dtype=torch.long)})
+            for p, ids in zip(prompts, encoded["input_ids"])
+        ]
+
+
+class QwenImagePolicy(DiffusionPolicy):
+    family = "qwen_image"
+    pipeline_class_names = ("QwenImagePipeline",)
+    cfg_renormalize = True
+
+    @classmethod
+    def _pipeline_class(cls) -> Any:
+        return QwenImagePipeline
+
+    @staticmethod
+    def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
+        return [pipeline.text_encoder, pipeline.vae]
+
+    def text_processor(self) -> QwenImageTextProcessor:
+        return QwenImageTextProcessor({"tokenizer": self.pipeline.tokenizer})
+
+    @classmethod
+    def load_text_processor(cls, local_dir: str | Path) -> QwenImageTextProcessor:
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(local_dir) / "tokenizer"), local_files_only=True)
+        return QwenImageTextProcessor({"tokenizer": tokenizer})
+
+    @property
+    def _vae_factor(self) -> int:
+        return int(self.pipeline.vae_scale_factor)
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self._vae_factor * 2  # 2x2 latent packing
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
+        return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+        seq_len = self.latent_shape(height, width)[0]
+        config = scheduler.config
+        mu = calculate_shift(
+            seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu, device="cpu")
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        ids = [p.token_ids["tokenizer"] for p in prompts]
+        lengths = torch.tensor([len(x) for x in ids])
+        if int(lengths.min()) <= TEMPLATE_PREFIX_TOKENS:
+            raise ValueError("token ids must include the Qwen-Image prompt template (use the family's TextProcessor)")
+        pad_id = self.pipeline.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(ids), int(lengths.max())), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, x in enumerate(ids):  # right padding: causal attention keeps real tokens exact
+            input_ids[row, : len(x)] = x
+            attention_mask[row, : len(x)] = 1
+        hidden = self.pipeline.text_encoder(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            output_hidden_states=True,
+        ).hidden_states[-1]
+        kept = lengths - TEMPLATE_PREFIX_TOKENS
+        width = int(kept.max())
+        embeds = hidden.new_zeros(len(ids), width, hidden.shape[-1])
+        mask = torch.zeros(len(ids), width, dtype=torch.bool, device=self.device)
+        for row, n in enumerate(kept.tolist()):
+            embeds[row, :n] = hidden[row, TEMPLATE_PREFIX_TOKENS : TEMPLATE_PREFIX_TOKENS + n]
+            mask[row, :n] = True
+        return PromptEmbeds(embeds.to(self.dtype), mask)
+
+    def predict(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
+    ) -> torch.Tensor:
+        grid = (1, height // self.spatial_multiple, width // self.spatial_multiple)
+        mask = None if bool(cond.mask.all()) else cond.mask
+        return self.pipeline.transformer(
+            hidden_states=latents.to(self.dtype),
+            timestep=sigma.to(device=latents.device, dtype=self.dtype),
+            encoder_hidden_states=cond.embeds.to(self.dtype),
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[grid]] * latents.shape[0],
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        pipe = self.pipeline
+        vae = pipe.vae
+        unpacked = pipe._unpack_latents(latents, height, width, self._vae_factor).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=unpacked.device, dtype=unpacked.dtype).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=unpacked.device, dtype=unpacked.dtype).view(shape)
+        images = vae.decode(unpacked * std + mean, return_dict=False)[0][:, :, 0]
+        return pipe.image_processor.postprocess(images, output_type="pt")
