@@ -13,18 +13,12 @@ from serve_app.flowgrpo.sampler import (
     sample_group,
 )
 from serve_app.flowgrpo.seeding import sample_generators
-from serve_app.models import ensure_embedded_model
-from serve_app.policies import load_policy
 from serve_app.schemas import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLOWGRPO_HOME", str(home))
-        path = ensure_embedded_model("tiny-qwen-image")
-    return load_policy(path, family="qwen_image")
+def policy(tiny_policy):
+    return tiny_policy
 
 
 @pytest.fixture(scope="module")

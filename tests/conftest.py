@@ -1,0 +1,33 @@
+"""Shared fixtures: one embedded-model cache per test session, loopback-only Ray."""
+
+import os
+
+import pytest
+
+# Every Ray process a test starts stays on 127.0.0.1, with one auth mode for CLI and API alike.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def flowgrpo_home(tmp_path_factory):
+    """A FLOWGRPO_HOME for the whole session (embedded models build once, ~15 s)."""
+    home = os.environ.get("FLOWGRPO_TEST_HOME") or str(tmp_path_factory.mktemp("flowgrpo_home"))
+    os.environ["FLOWGRPO_HOME"] = home
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(flowgrpo_home):
+    from serve_app.models import ensure_embedded_model
+
+    return ensure_embedded_model("tiny-qwen-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_qwen_dir):
+    from serve_app.policies import load_policy
+
+    return load_policy(tiny_qwen_dir, family="qwen_image")

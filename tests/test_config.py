@@ -1,0 +1,246 @@
+"""Loading configs/: defaults inheritance, groups, overrides, and errors that name the culprit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.config import (
+    ConfigError,
+    ReplicaConfig,
+    RewardConfig,
+    RolloutConfig,
+    config_to_yaml,
+    load_config,
+)
+from serve_app.rewards import RewardSpec
+
+
+def write(root: Path, rel: str, text: str) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+BASE = """
+reward:
+  components: [{name: brightness}]
+sampling:
+  num_steps: 10
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped configs
+
+
+def test_rollout_yaml_matches_pydantic_defaults():
+    # Defaults written twice must not drift apart: rollout.yaml restates the schema's defaults.
+    expected = RolloutConfig(reward=RewardConfig(components=[RewardSpec(name="brightness", args={"target": 0.8})]))
+    assert load_config("rollout") == expected
+
+
+def test_diffusion_rollout_inherits_and_overrides():
+    cfg = load_config("diffusion_rollout")
+    assert cfg.sampling.noise_level == 1.2  # from rollout.yaml
+    assert cfg.sampling.sde_window_range == (0, 5)
+    assert cfg.replica.autoscaling.downscale_delay_s == 60  # from rollout.yaml
+    assert cfg.ingress.chunk_size == 4  # diffusion_rollout overrides rollout's 8
+    assert cfg.replica.max_batch_size == 2  # ... and rollout's 4
+    assert cfg.model.embedded == "tiny-qwen-image"  # group model/tiny_qwen_image
+    assert [c.name for c in cfg.reward.components] == ["brightness"]  # group reward/brightness
+
+
+def test_dotlist_overrides():
+    cfg = load_config(
+        "diffusion_rollout",
+        ["sampling.num_steps=12", "replica.autoscaling.max_replicas=3", "sampling.sde_window_range=[1,3]"],
+    )
+    assert cfg.sampling.num_steps == 12
+    assert cfg.sampling.sde_window_range == (1, 3)
+    assert cfg.replica.autoscaling.max_replicas == 3
+    assert cfg.replica.autoscaling.min_replicas == 1  # siblings kept
+
+
+def test_group_override_replaces_section():
+    cfg = load_config("diffusion_rollout", ["model.dtype=float16", "model=tiny_sd3", "reward=brightness_and_jpeg"])
+    assert (cfg.model.family, cfg.model.embedded) == ("sd3", "tiny-sd3")
+    assert cfg.model.dtype == "float16"  # value overrides apply after group selections, whatever the order
+    assert [(c.name, c.weight) for c in cfg.reward.components] == [("brightness", 1.0), ("jpeg_compressibility", 2.0)]
+
+
+def test_gpu_rollout():
+    cfg = load_config("gpu_rollout")
+    assert cfg.replica.num_gpus == 1
+    assert (cfg.sampling.height, cfg.sampling.width, cfg.sampling.num_steps) == (512, 512, 10)
+    assert cfg.replica.autoscaling.max_replicas == 8
+    assert (cfg.ingress.chunk_size, cfg.replica.max_batch_size) == (16, 2)
+    assert (cfg.model.family, cfg.model.dtype, cfg.model.device) == ("qwen_image", "bfloat16", "cuda")
+    assert cfg.model.path is not None
+    assert cfg.sampling.noise_level == 1.2  # still inherited from rollout.yaml
+
+
+def test_every_group_file_loads():
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for group in ("model", "reward"):
+        for path in sorted((configs / group).glob("*.yaml")):
+            load_config("diffusion_rollout", [f"{group}={path.stem}"])
+
+
+def test_config_to_yaml_round_trips(tmp_path):
+    cfg = load_config("diffusion_rollout", ["model=tiny_sd3"])
+    path = write(tmp_path, "resolved.yaml", config_to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+def test_env_config_dir(tmp_path, monkeypatch):
+    write(tmp_path, "diffusion_rollout.yaml", BASE + "app_name: from-env\n")
+    monkeypatch.setenv("FLOWGRPO_CONFIG_DIR", str(tmp_path))
+    assert load_config().app_name == "from-env"
+
+
+# --------------------------------------------------------------------------------------------
+# Composition rules, on temporary config dirs
+
+
+def test_self_position_and_later_group_selection_replaces(tmp_path):
+    write(tmp_path, "base.yaml", BASE + "app_name: base\n")
+    write(tmp_path, "model/a.yaml", "embedded: a\ndtype: float16\n")
+    write(tmp_path, "model/b.yaml", "embedded: b\n")
+    write(tmp_path, "mid.yaml", "defaults: [base, {model: a}, _self_]\napp_name: mid\n")
+    # _self_ first: the defaults after it win over this file's own keys.
+    write(tmp_path, "top.yaml", "defaults: [_self_, mid, {model: b}]\napp_name: top\n")
+    cfg = load_config("top", config_dir=tmp_path)
+    assert cfg.app_name == "mid"
+    assert cfg.model.embedded == "b"
+    assert cfg.model.dtype == "float32"  # b replaced a; a's dtype does not leak through
+
+
+def test_subfolder_name_resolves_defaults_in_config_dir(tmp_path):
+    write(tmp_path, "base.yaml", BASE)
+    write(tmp_path, "trainer/run.yaml", "defaults: [base]\napp_name: run\n")
+    cfg = load_config("trainer/run", config_dir=tmp_path)
+    assert (cfg.app_name, cfg.sampling.num_steps) == ("run", 10)
+
+
+def test_subclass_schema_adds_a_section(tmp_path):
+    class TrainerSection(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        lr: float = Field(1e-4, description="Learning rate.")
+        epochs: int = Field(1, description="Epochs.")
+
+    class TrainerRunConfig(RolloutConfig):
+        trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer.")
+
+    write(tmp_path, "base.yaml", BASE)
+    write(tmp_path, "trainer/flowgrpo.yaml", "defaults: [base]\ntrainer:\n  lr: 3.0e-4\n")
+    cfg = load_config("trainer/flowgrpo", ["trainer.epochs=2"], config_dir=tmp_path, schema=TrainerRunConfig)
+    assert isinstance(cfg, TrainerRunConfig)
+    assert (cfg.trainer.lr, cfg.trainer.epochs, cfg.sampling.num_steps) == (3e-4, 2, 10)
+    with pytest.raises(ConfigError, match="trainer.lrr"):
+        load_config("trainer/flowgrpo", ["trainer.lrr=1"], config_dir=tmp_path, schema=TrainerRunConfig)
+    with pytest.raises(ConfigError, match="unknown key 'trainer'"):
+        load_config("trainer/flowgrpo", config_dir=tmp_path)  # the plain schema has no trainer section
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "defaults: [base]\nsampling:\n  nosie_level: 0.5\n")
+    write(tmp_path, "base.yaml", BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config("bad", config_dir=tmp_path)
+    msg = str(info.value)
+    assert "'sampling.nosie_level'" in msg and str(bad) in msg
+    assert "noise_level" in msg  # lists the known keys
+
+
+def test_unknown_key_in_group_file_names_its_path(tmp_path):
+    write(tmp_path, "base.yaml", "defaults: [{model: x}]\n" + BASE)
+    bad = write(tmp_path, "model/x.yaml", "familly: sd3\n")
+    with pytest.raises(ConfigError, match="'model.familly'") as info:
+        load_config("base", config_dir=tmp_path)
+    assert str(bad) in str(info.value)
+
+
+def test_unknown_top_level_key_in_shipped_dir():
+    with pytest.raises(ConfigError, match=r"unknown key 'samplng' in override 'samplng.num_steps=4'"):
+        load_config("diffusion_rollout", ["samplng.num_steps=4"])
+
+
+def test_unknown_override_key():
+    with pytest.raises(ConfigError) as info:
+        load_config("diffusion_rollout", ["replica.autoscaling.max_replica=3"])
+    msg = str(info.value)
+    assert "'replica.autoscaling.max_replica'" in msg and "override 'replica.autoscaling.max_replica=3'" in msg
+    assert "max_replicas" in msg
+
+
+def test_bad_value_names_field_path():
+    with pytest.raises(ConfigError, match=r"sampling\.num_steps: .*integer") as info:
+        load_config("diffusion_rollout", ["sampling.num_steps=many"])
+    assert "diffusion_rollout" in str(info.value)
+
+
+def test_cross_field_validators():
+    with pytest.raises(ConfigError, match=r"replica: .*max_ongoing_requests"):
+        load_config("diffusion_rollout", ["replica.max_batch_size=16"])
+    with pytest.raises(ConfigError, match=r"autoscaling: .*initial_replicas"):
+        load_config("diffusion_rollout", ["replica.autoscaling.initial_replicas=5"])
+    with pytest.raises(ConfigError, match="unknown reward 'nope'"):
+        load_config("diffusion_rollout", ["reward.components.0.name=nope"])
+    with pytest.raises(ValueError, match="max_batch_size"):
+        ReplicaConfig(max_batch_size=9)
+
+
+def test_missing_default_file_lists_available(tmp_path):
+    write(tmp_path, "base.yaml", BASE)
+    write(tmp_path, "top.yaml", "defaults: [bsae]\n")
+    with pytest.raises(ConfigError, match=r"config 'bsae' not found.*available: base, top"):
+        load_config("top", config_dir=tmp_path)
+
+
+def test_missing_group_option_lists_options():
+    with pytest.raises(ConfigError, match=r"option 'tiny_sdxl' of group 'model'.*tiny_qwen_image, tiny_sd3"):
+        load_config("diffusion_rollout", ["model=tiny_sdxl"])
+
+
+def test_missing_config_name():
+    with pytest.raises(ConfigError, match=r"config 'nope' not found.*diffusion_rollout"):
+        load_config("nope")
+
+
+def test_cycle_in_defaults(tmp_path):
+    write(tmp_path, "a.yaml", "defaults: [b]\n")
+    write(tmp_path, "b.yaml", "defaults: [a]\n")
+    with pytest.raises(ConfigError, match="cycle in defaults"):
+        load_config("a", config_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("defaults: [{model: [a]}]\n", "option must be a file name"),
+        ("defaults: [_self_, _self_]\n", "more than once"),
+        ("defaults: base\n", "must be a list"),
+        ("- a\n- b\n", "mapping at the top level"),
+        ("sampling: 3\n", "'sampling' .* must be a mapping"),
+        ("sampling: {height: [1\n", "cannot parse"),
+    ],
+)
+def test_malformed_files(tmp_path, text, match):
+    write(tmp_path, "c.yaml", text)
+    with pytest.raises(ConfigError, match=match):
+        load_config("c", config_dir=tmp_path)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("diffusion_rollout", ["sampling.num_steps"])
+    with pytest.raises(ConfigError, match="has no group files"):
+        load_config("diffusion_rollout", ["replica=big"])
