@@ -1,0 +1,104 @@
+"""Versioned policy weights on a shared filesystem: the trainer publishes, replicas fetch on demand.
+
+Version 0 is the base checkpoint. Version v >= 1 lives in ``<root>/v{v:08d}/`` as
+``weights.safetensors`` (the LoRA tensors, or the whole transformer) and ``meta.json``. A version
+directory is written under a temporary name and renamed into place, so a reader sees a version
+whole or not at all; replicas started later (autoscaling, restarts) find every kept version there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from serve_app.errors import PolicyVersionError
+
+if TYPE_CHECKING:
+    from serve_app.config import RolloutConfig
+
+WeightKind = Literal["lora", "full"]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a replica needs to build the same adapter the trainer trains."""
+
+    rank: int
+    alpha: float
+    target_modules: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    version: int
+    kind: WeightKind
+    tensors: dict[str, torch.Tensor]
+    lora: LoraSpec | None = None
+
+
+class WeightStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _dir(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.is_dir())
+
+    def latest_version(self) -> int:
+        """The newest published version, 0 (the base weights) when none was published."""
+        kept = self.versions()
+        return kept[-1] if kept else 0
+
+    def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind, lora: LoraSpec | None = None
+    ) -> Path:
+        if version < 1:
+            raise ValueError(f"published versions start at 1 (0 is the base checkpoint); got {version}")
+        if kind == "lora" and lora is None:
+            raise ValueError("kind='lora' needs the LoraSpec the replicas should build")
+        target = self._dir(version)
+        if target.exists():
+            raise PolicyVersionError(f"version {version} is already published in {self.root}")
+        staging = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.root))
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, staging / "weights.safetensors")
+        meta = {"version": version, "kind": kind, "lora": None if lora is None else lora.__dict__}
+        (staging / "meta.json").write_text(json.dumps(meta))
+        os.rename(staging, target)
+        return target
+
+    def load(self, version: int) -> WeightVersion:
+        directory = self._dir(version)
+        if version < 1 or not (directory / "meta.json").is_file():
+            kept = self.versions()
+            raise PolicyVersionError(
+                f"policy version {version} does not exist in {self.root}; available: 0 (base)"
+                + (f", {kept[0]}..{kept[-1]}" if kept else "")
+            )
+        meta = json.loads((directory / "meta.json").read_text())
+        lora = LoraSpec(**meta["lora"]) if meta["lora"] else None
+        return WeightVersion(version, meta["kind"], load_file(directory / "weights.safetensors"), lora)
+
+    def prune(self, keep_last: int) -> None:
+        """Drop all but the newest `keep_last` versions (pinned old requests then fail loudly)."""
+        for version in self.versions()[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(self._dir(version), ignore_errors=True)
+
+
+def weights_dir(config: "RolloutConfig") -> Path:
+    """Where the trainer publishes and replicas read weight versions for this app."""
+    if config.replica.weights_dir:
+        return Path(config.replica.weights_dir)
+    from serve_app.models import flowgrpo_home
+
+    return flowgrpo_home() / "weights" / config.app_name
