@@ -1,0 +1,37 @@
+"""TrajectoryAggregator: a thin Serve shell over TrajectoryAssembler (whole groups, rewards, advantages)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray.serve import metrics
+
+from serve_app.assembler import TrajectoryAssembler
+from serve_app.config import RolloutConfig
+from serve_app.rewards import CompositeReward
+from serve_app.schemas import Trajectory, TrajectoryBatch
+
+
+class TrajectoryAggregator:
+    def __init__(self, config: RolloutConfig) -> None:
+        self.assembler = TrajectoryAssembler(
+            CompositeReward(config.reward.components),
+            config.aggregator.advantage,
+            reward_threads=config.aggregator.reward_threads,
+        )
+        self.reward_mean = metrics.Gauge("flowgrpo_reward_mean", description="Mean total reward of the last request.")
+        self.tied_groups = metrics.Gauge(
+            "flowgrpo_tied_group_fraction", description="Share of groups whose rewards all tie (no learning signal)."
+        )
+        self.groups_collected = metrics.Counter("flowgrpo_groups_collected", description="Whole groups returned.")
+
+    async def collect(
+        self, prompts: list[str], group_size: int, request_id: str, *chunks: Trajectory
+    ) -> TrajectoryBatch:
+        """The ingress passes the replicas' DeploymentResponses as top-level args: Serve resolves
+        them to Trajectory objects before this runs, without the ingress waiting on them."""
+        batch = await asyncio.to_thread(self.assembler.assemble, chunks, prompts, group_size, request_id=request_id)
+        self.reward_mean.set(batch.metrics["reward_mean"])
+        self.tied_groups.set(batch.metrics["tied_group_fraction"])
+        self.groups_collected.inc(len(prompts))
+        return batch
