@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
@@ -105,9 +106,10 @@ class DiffusionPolicy(abc.ABC):
     def check_size(self, height: int, width: int) -> None:
         m = self.spatial_multiple
         if height % m or width % m:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"height and width must be multiples of {m} (VAE factor x patch size) for {self.family}; "
-                f"got {height}x{width}"
+                f"got {height}x{width}",
+                "sampling.height" if height % m else "sampling.width",
             )
 
     @abc.abstractmethod

@@ -1,0 +1,161 @@
+"""What only a real Ray cluster shows: actors, HTTP, @serve.batch, autoscaling, back-pressure.
+
+One module-scoped single-node cluster on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 set in
+conftest), stopped at the end. Requests are bounded in number and time.
+"""
+
+import base64
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.cluster
+
+PORT = 8123
+BASE = f"http://127.0.0.1:{PORT}"
+OVERRIDES = [
+    "sampling.num_steps=4",
+    "sampling.sde_window_range=[0,2]",
+    "ingress.chunk_size=4",
+    "ingress.max_prompts=8",
+    "ingress.max_samples=32",
+    "replica.num_cpus=0.2",
+    "replica.autoscaling.min_replicas=1",
+    "replica.autoscaling.max_replicas=2",
+    "replica.autoscaling.target_ongoing_requests=1",
+    "replica.autoscaling.upscale_delay_s=0.5",
+    "replica.autoscaling.downscale_delay_s=3",
+    "replica.autoscaling.look_back_period_s=1",
+    "replica.max_ongoing_requests=2",
+    "replica.max_batch_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(flowgrpo_home):
+    import ray
+    from ray import serve
+
+    from serve_app.app import AppArgs, build_app
+
+    # Autoscaling decisions need fresh metrics; the 10 s default push interval would make the test slow.
+    env = {
+        "FLOWGRPO_HOME": flowgrpo_home,
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    }
+    import os
+
+    os.environ.update(env)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    handle = serve.run(build_app(AppArgs(overrides=OVERRIDES)), name="flowgrpo", route_prefix="/")
+    yield handle
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_whole_graph_by_handle(cluster):
+    from serve_app.client import RolloutClient
+
+    batch = RolloutClient("flowgrpo").rollout(["a cat", "two red circles"], group_size=4, seed=9)
+    t = batch.trajectory
+    assert t.prompt_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert t.sample_index.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert t.log_probs.shape == (8, 2) and torch.isfinite(t.log_probs).all()
+    assert t.images.shape == (8, 3, 32, 32) and t.images.dtype == torch.uint8
+    assert len(t.prompt_embeds) == 2  # once per prompt, not per sample
+    assert batch.advantages.shape == (8,) and torch.isfinite(batch.advantages).all()
+
+
+def test_http_matches_handle_seeds(cluster):
+    from serve_app.client import RolloutClient
+
+    by_handle = RolloutClient("flowgrpo").rollout(["a cat", "two red circles"], group_size=4, seed=9)
+    body = {"prompts": ["a cat", "two red circles"], "group_size": 4, "seed": 9, "return_images": True}
+    response = httpx.post(f"{BASE}/v1/rollouts", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    samples = answer["samples"]
+    assert [(s["prompt_index"], s["sample_index"]) for s in samples] == [(p, i) for p in range(2) for i in range(4)]
+    assert [s["seed"] for s in samples] == by_handle.trajectory.seeds.tolist()
+    got = torch.tensor([s["log_probs"] for s in samples])
+    torch.testing.assert_close(got, by_handle.trajectory.log_probs, atol=1e-5, rtol=0)
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(samples[0]["image_png_base64"])))
+    assert image.size == (32, 32)
+    assert "reward_mean" in answer["metrics"]
+
+
+def test_health_and_openapi(cluster):
+    assert httpx.get(f"{BASE}/healthz", timeout=10).json() == {"status": "ok"}
+    spec = httpx.get(f"{BASE}/openapi.json", timeout=10).json()
+    assert "/v1/rollouts" in spec["paths"]
+    assert httpx.get(f"{BASE}/docs", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"prompts": [], "group_size": 2}, 422, "prompts"),
+        ({"prompts": ["a"], "group_size": 0}, 422, "group_size"),
+        ({"prompts": [""], "group_size": 2}, 422, "prompts[0]"),
+        ({"prompts": ["a"], "group_size": 2, "sampling": {"noise_level": -1}}, 422, "sampling.noise_level"),
+        ({"prompts": ["a"], "group_size": 2, "bogus": 1}, 422, "bogus"),
+        ({"prompts": ["a"] * 9, "group_size": 2}, 413, "prompts"),
+        ({"prompts": ["a"] * 8, "group_size": 5}, 413, "group_size"),
+        ({"prompts": ["a"], "group_size": 2, "sampling": {"height": 36}}, 422, "sampling.height"),
+    ],
+)
+def test_bad_input_gets_a_status_code_and_the_field(cluster, body, status, field):
+    response = httpx.post(f"{BASE}/v1/rollouts", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    payload = response.json()
+    assert payload["field"] == field and payload["message"]
+
+
+def test_64_concurrent_http_requests_with_mixed_prompt_lengths(cluster):
+    def call(i: int) -> int:
+        prompt = "a cat " + "and a very long tail " * (i % 9)
+        body = {"prompts": [prompt], "group_size": 2, "seed": i, "sampling": {"num_steps": 2, "sde_window_range": [0, 1], "sde_window_size": 1}}
+        return httpx.post(f"{BASE}/v1/rollouts", json=body, timeout=300).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(call, range(64)))
+    assert codes == [200] * 64
+
+
+def _running_replicas() -> int:
+    from ray import serve
+
+    status = serve.status().applications["flowgrpo"].deployments["DiffusionReplica"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_autoscaling_up_under_load_and_back_down(cluster):
+    from serve_app.client import RolloutClient
+
+    client = RolloutClient("flowgrpo")
+    _wait_for_replicas(1, timeout_s=90)  # earlier tests' load may have scaled it up
+    deadline = time.monotonic() + 120
+    peak = 1
+    with ThreadPoolExecutor(6) as pool:
+        while time.monotonic() < deadline and peak < 2:
+            futures = [pool.submit(client.rollout, [f"load {i}"], 4, {"num_steps": 8, "sde_window_range": [0, 5]}) for i in range(6)]
+            for f in futures:
+                f.result(timeout=300)
+                peak = max(peak, _running_replicas())
+    assert peak == 2
+    _wait_for_replicas(1, timeout_s=90)
+    assert _running_replicas() == 1
+
+
+def _wait_for_replicas(count: int, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _running_replicas() != count:
+        time.sleep(0.5)
