@@ -1,0 +1,47 @@
+"""Embedded tiny checkpoints (random weights, real architectures) built offline on demand.
+
+The builders are imported lazily because importing diffusers/transformers takes seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .registry import (
+    BUILD_VERSION,
+    EMBEDDED_MODELS,
+    EmbeddedModel,
+    ensure_embedded_model,
+    ensure_qwen2_tokenizer,
+    flowgrpo_home,
+)
+
+if TYPE_CHECKING:
+    from .tiny_qwen_image import build_tiny_qwen_image
+    from .tiny_sd3 import build_tiny_sd3
+    from .tokenizer import build_qwen2_tokenizer
+
+_LAZY = {
+    "build_qwen2_tokenizer": ".tokenizer",
+    "build_tiny_qwen_image": ".tiny_qwen_image",
+    "build_tiny_sd3": ".tiny_sd3",
+}
+
+__all__ = [
+    "BUILD_VERSION",
+    "EMBEDDED_MODELS",
+    "EmbeddedModel",
+    "build_qwen2_tokenizer",
+    "build_tiny_qwen_image",
+    "build_tiny_sd3",
+    "ensure_embedded_model",
+    "ensure_qwen2_tokenizer",
+    "flowgrpo_home",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

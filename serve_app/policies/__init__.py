@@ -63,16 +63,24 @@ def load_policy(
     dtype: torch.dtype = torch.float32,
 ) -> DiffusionPolicy:
     """Load a pipeline directory; `family` is checked against what the directory holds."""
-    found = detect_family(local_dir)
-    if family is not None and family != found:
-        policy_class(family)  # an unknown name gets the list of supported ones
-        raise ValueError(f"{local_dir} holds a {found} pipeline, but family {family!r} was asked for")
+    found = _checked_family(local_dir, family)
     return policy_class(found).from_pretrained(local_dir, device=device, dtype=dtype)
 
 
 def load_text_processor(local_dir: str | Path, *, family: str | None = None) -> TextProcessor:
     """The tokenizer side only (no model weights): what the ingress needs."""
+    found = _checked_family(local_dir, family)
+    return policy_class(found).load_text_processor(local_dir)
+
+
+def _checked_family(local_dir: str | Path, family: str | None) -> str:
+    """The directory's family, after checking that an asked-for `family` exists and matches it."""
+    if family is not None:
+        policy_class(family)  # an unknown name gets the list of supported ones
     found = detect_family(local_dir)
     if family is not None and family != found:
-        raise ValueError(f"{local_dir} holds a {found} pipeline, but family {family!r} was asked for")
-    return policy_class(found).load_text_processor(local_dir)
+        raise ValueError(
+            f"{local_dir} holds a {found} pipeline ({'/'.join(policy_class(found).pipeline_class_names)}), "
+            f"but family {family!r} was asked for"
+        )
+    return found

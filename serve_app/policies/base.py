@@ -61,6 +61,7 @@ class DiffusionPolicy(abc.ABC):
         self.pipeline = pipeline
         self.device = device
         self.dtype = dtype
+        self._text_processor: TextProcessor | None = None
 
     @classmethod
     def from_pretrained(
@@ -82,9 +83,15 @@ class DiffusionPolicy(abc.ABC):
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
         """Text encoders and VAE: never trained here."""
 
-    @abc.abstractmethod
     def text_processor(self) -> TextProcessor:
-        """The tokenizer side over this pipeline's own tokenizer(s)."""
+        """The tokenizer side over this pipeline's own tokenizer(s), one per policy: each thread's
+        first use deep-copies the tokenizers (~1 s for a 150k vocabulary)."""
+        if self._text_processor is None:
+            self._text_processor = self._make_text_processor()
+        return self._text_processor
+
+    @abc.abstractmethod
+    def _make_text_processor(self) -> TextProcessor: ...
 
     @classmethod
     @abc.abstractmethod

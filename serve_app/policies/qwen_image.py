@@ -57,7 +57,7 @@ class QwenImagePolicy(DiffusionPolicy):
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
         return [pipeline.text_encoder, pipeline.vae]
 
-    def text_processor(self) -> QwenImageTextProcessor:
+    def _make_text_processor(self) -> QwenImageTextProcessor:
         return QwenImageTextProcessor({"tokenizer": self.pipeline.tokenizer})
 
     @classmethod
@@ -101,11 +101,12 @@ class QwenImagePolicy(DiffusionPolicy):
         for row, x in enumerate(ids):  # right padding: causal attention keeps real tokens exact
             input_ids[row, : len(x)] = x
             attention_mask[row, : len(x)] = 1
-        hidden = self.pipeline.text_encoder(
+        # The base model alone: its last (normed) hidden state is the pipeline's hidden_states[-1], without
+        # the 152k-wide LM head the stock call computes and throws away.
+        hidden = self.pipeline.text_encoder.model(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
-        ).hidden_states[-1]
+        ).last_hidden_state
         kept = lengths - TEMPLATE_PREFIX_TOKENS
         width = int(kept.max())
         embeds = hidden.new_zeros(len(ids), width, hidden.shape[-1])

@@ -1,0 +1,136 @@
+"""Named embedded checkpoints, built on first use into a shared cache directory.
+
+Several Ray replicas may ask for the same model at once. Builds therefore run under an
+``fcntl`` lock and write into a temporary sibling directory that is renamed into place
+in one step, so no process ever sees a half-written model directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+__all__ = [
+    "EMBEDDED_MODELS",
+    "BUILD_VERSION",
+    "EmbeddedModel",
+    "ensure_embedded_model",
+    "ensure_qwen2_tokenizer",
+    "flowgrpo_home",
+]
+
+# Part of every cache path: bump it whenever a builder's output changes so stale caches
+# are not reused.
+BUILD_VERSION = "v1"
+
+ModelFamily = Literal["qwen_image", "sd3"]
+
+
+class Builder(Protocol):
+    def __call__(self, out_dir: Path, *, tokenizer_dir: Path) -> Path: ...
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    family: ModelFamily
+    build: Builder
+
+
+# The builders import diffusers/transformers lazily: importing this module (e.g. just for
+# flowgrpo_home) must stay cheap, while those imports take several seconds.
+def _tiny_qwen_image(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_qwen_image import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(out_dir, size="tiny", seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def _small_qwen_image(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_qwen_image import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(out_dir, size="small", seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def _tiny_sd3(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_sd3 import build_tiny_sd3
+
+    return build_tiny_sd3(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def _qwen2_tokenizer(out_dir: Path) -> Path:
+    from .tokenizer import build_qwen2_tokenizer
+
+    return build_qwen2_tokenizer(out_dir)
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "tiny-qwen-image": EmbeddedModel("qwen_image", _tiny_qwen_image),
+    "small-qwen-image": EmbeddedModel("qwen_image", _small_qwen_image),
+    "tiny-sd3": EmbeddedModel("sd3", _tiny_sd3),
+}
+
+
+def flowgrpo_home() -> Path:
+    """Cache root: ``$FLOWGRPO_HOME`` or ``~/.cache/flowgrpo-serve``."""
+    return Path(os.environ.get("FLOWGRPO_HOME", "~/.cache/flowgrpo-serve")).expanduser()
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """Runs ``build(tmp_dir)`` and renames ``tmp_dir`` to ``target`` unless ``target`` exists."""
+    if target.is_dir():
+        return target
+    with _exclusive(target.parent / f".{target.name}.lock"):
+        # Another process may have finished the build while this one waited for the lock.
+        if target.is_dir():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            build(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it owner-only
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def ensure_qwen2_tokenizer() -> Path:
+    """The shared Qwen2 tokenizer directory, ``flowgrpo_home()/tokenizers/qwen2``."""
+    target = flowgrpo_home() / "tokenizers" / "qwen2"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return _build_once(target, _qwen2_tokenizer)
+
+
+def ensure_embedded_model(name: str) -> Path:
+    """Directory of the embedded model ``name``, building it on first use.
+
+    The result is ``flowgrpo_home()/models/<name>-<BUILD_VERSION>`` and loads with the
+    matching diffusers pipeline's ``from_pretrained(path, local_files_only=True)``.
+    """
+    try:
+        model = EMBEDDED_MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(sorted(EMBEDDED_MODELS))}") from None
+    target = flowgrpo_home() / "models" / f"{name}-{BUILD_VERSION}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = ensure_qwen2_tokenizer()
+    return _build_once(target, lambda tmp: model.build(tmp, tokenizer_dir=tokenizer_dir))

@@ -1,0 +1,226 @@
+"""Randomly initialised, architecturally faithful miniatures of Qwen-Image.
+
+The pipeline is the stock ``diffusers.QwenImagePipeline``; only the widths and depths are
+shrunk. The tokenizer is the real Qwen2 BPE (see :mod:`serve_app.models.tokenizer`), so
+the text encoder's embedding table keeps Qwen2.5-VL's 152064 rows and the text width
+(== the transformer's ``joint_attention_dim``) is what keeps it small.
+
+Image sizes: the pipeline floors height/width to a multiple of ``2 * vae_scale_factor``
+(latents are packed into 2x2 patches) and only warns otherwise. ``vae_scale_factor`` is
+``2 ** len(temperal_downsample)``:
+
+* ``tiny``  - VAE downsamples by 4, so sizes must be multiples of 8; smallest is 8x8
+  (a single image token). 32x32 gives 16 image tokens.
+* ``small`` - VAE downsamples by 8 like the real model, so sizes must be multiples of 16;
+  smallest is 16x16. 64x64 gives 16 image tokens.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
+
+__all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size"]
+
+QwenImageSize = Literal["tiny", "small"]
+
+# scheduler_config.json of Qwen/Qwen-Image: resolution-dependent exponential time shift
+# with a terminal sigma of 0.02 instead of 0.
+QWEN_IMAGE_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "invert_sigmas": False,
+    "shift_terminal": 0.02,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "time_shift_type": "exponential",
+    "stochastic_sampling": False,
+}
+
+# Qwen2.5-VL's embedding rows (padded past the 151665 tokenizer ids, as in the real model).
+_TEXT_VOCAB_SIZE = 152064
+
+
+@dataclass(frozen=True)
+class _Spec:
+    layers: int
+    heads: int
+    head_dim: int
+    rope_axes: tuple[int, int, int]  # (frame, height, width); must sum to head_dim
+    text_dim: int  # Qwen2.5-VL hidden size == transformer joint_attention_dim
+    text_layers: int
+    text_heads: int
+    text_mrope: tuple[int, int, int]  # must sum to text head_dim / 2
+    z_dim: int
+    vae_base_dim: int
+    vae_dim_mult: tuple[int, ...]
+
+
+_SPECS: dict[str, _Spec] = {
+    "tiny": _Spec(
+        layers=2,
+        heads=2,
+        head_dim=16,
+        rope_axes=(4, 6, 6),
+        text_dim=16,
+        text_layers=2,
+        text_heads=2,
+        text_mrope=(1, 1, 2),
+        z_dim=4,
+        vae_base_dim=8,
+        vae_dim_mult=(1, 2, 4),
+    ),
+    "small": _Spec(
+        layers=4,
+        heads=4,
+        head_dim=64,
+        rope_axes=(16, 24, 24),
+        text_dim=32,
+        text_layers=2,
+        text_heads=2,
+        text_mrope=(2, 3, 3),
+        z_dim=16,
+        vae_base_dim=16,
+        vae_dim_mult=(1, 2, 4, 4),
+    ),
+}
+
+
+def min_image_size(size: QwenImageSize) -> int:
+    """Smallest valid height/width in pixels (also the step between valid sizes)."""
+    return 2 * 2 ** (len(_SPECS[size].vae_dim_mult) - 1)
+
+
+def _transformer(spec: _Spec) -> QwenImageTransformer2DModel:
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=spec.z_dim * 4,  # 2x2 packed latent patches
+        out_channels=spec.z_dim,
+        num_layers=spec.layers,
+        attention_head_dim=spec.head_dim,
+        num_attention_heads=spec.heads,
+        joint_attention_dim=spec.text_dim,
+        guidance_embeds=False,
+        axes_dims_rope=spec.rope_axes,
+    )
+
+
+def _vae(spec: _Spec) -> AutoencoderKLQwenImage:
+    downsamples = len(spec.vae_dim_mult) - 1
+    return AutoencoderKLQwenImage(
+        base_dim=spec.vae_base_dim,
+        z_dim=spec.z_dim,
+        dim_mult=list(spec.vae_dim_mult),
+        num_res_blocks=1,
+        attn_scales=[],
+        # Same pattern as the real VAE: no temporal downsampling in the first stage.
+        temperal_downsample=[i > 0 for i in range(downsamples)],
+        dropout=0.0,
+        # Identity normalisation: random latents have no statistics worth matching.
+        latents_mean=[0.0] * spec.z_dim,
+        latents_std=[1.0] * spec.z_dim,
+    )
+
+
+def _text_encoder(spec: _Spec) -> Qwen2_5_VLForConditionalGeneration:
+    head_dim = spec.text_dim // spec.text_heads
+    if 2 * sum(spec.text_mrope) != head_dim:
+        raise ValueError(f"mrope sections {spec.text_mrope} do not cover head_dim {head_dim}")
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": _TEXT_VOCAB_SIZE,
+            "hidden_size": spec.text_dim,
+            "intermediate_size": 2 * spec.text_dim,
+            "num_hidden_layers": spec.text_layers,
+            "num_attention_heads": spec.text_heads,
+            "num_key_value_heads": spec.text_heads,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": list(spec.text_mrope),
+            },
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "pad_token_id": 151643,
+        },
+        # The vision tower is never run by QwenImagePipeline but the class requires one.
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": spec.text_dim,
+            "fullatt_block_indexes": [0],
+        },
+        # Sharing the 152064-row table with lm_head halves the checkpoint.
+        tie_word_embeddings=True,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_tiny_qwen_image(
+    out_dir: Path,
+    *,
+    size: QwenImageSize = "tiny",
+    seed: int = 0,
+    tokenizer_dir: Path | None = None,
+) -> Path:
+    """Builds a random-weight ``QwenImagePipeline`` and saves it (float32 safetensors) to ``out_dir``.
+
+    Every component is created on CPU right after ``torch.manual_seed(seed)``, so two
+    builds with the same seed have bit-identical weights. ``tokenizer_dir`` is a
+    directory written by :func:`build_qwen2_tokenizer`; without it one is built (~3 s).
+    """
+    if size not in _SPECS:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
+    spec = _SPECS[size]
+    out_dir = Path(out_dir)
+
+    with tempfile.TemporaryDirectory() as scratch:
+        if tokenizer_dir is None:
+            tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        if len(tokenizer) > _TEXT_VOCAB_SIZE:
+            raise ValueError(
+                f"tokenizer in {tokenizer_dir} has {len(tokenizer)} ids, more than the "
+                f"{_TEXT_VOCAB_SIZE} rows of the text encoder's embedding"
+            )
+
+        with torch.device("cpu"):
+            torch.manual_seed(seed)
+            transformer = _transformer(spec)
+            torch.manual_seed(seed)
+            vae = _vae(spec)
+            torch.manual_seed(seed)
+            text_encoder = _text_encoder(spec)
+
+        pipe = QwenImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=transformer,
+        )
+        pipe.save_pretrained(str(out_dir), safe_serialization=True)
+        place_tokenizer_json(Path(tokenizer_dir), out_dir / "tokenizer")
+    return out_dir

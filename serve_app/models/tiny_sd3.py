@@ -1,0 +1,175 @@
+"""A randomly initialised miniature of Stable Diffusion 3 (MMDiT + 2x CLIP + T5).
+
+No CLIP or T5 vocabulary can be fetched offline, so all three tokenizer slots hold the
+Qwen2 BPE tokenizer (``model_max_length`` 77 for the CLIP slots, 32 for the T5 slot) and
+every text encoder's embedding table covers its 151665 ids.
+
+Differences from real CLIP/T5 worth knowing:
+
+* The Qwen tokenizer adds no BOS/EOS. The CLIP encoders pool at the first
+  ``<|endoftext|>`` (their ``eos_token_id``), which is the first padding position, i.e.
+  just after the prompt. A prompt that fills all 77 positions pools at position 0.
+* The pipeline pads T5 input to its ``max_sequence_length`` argument (default 256), not
+  to ``tokenizer_3.model_max_length``; pass ``max_sequence_length=32`` to match the slot.
+
+Image sizes: the pipeline requires height/width divisible by
+``vae_scale_factor * patch_size`` = 4 * 2 = 8 and raises otherwise, so the smallest valid
+size is 8x8; ``pos_embed_max_size`` caps it at 256x256.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from transformers import (
+    AutoTokenizer,
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+)
+
+from .tokenizer import QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+
+__all__ = ["SD3_MIN_IMAGE_SIZE", "build_tiny_sd3"]
+
+SD3_MIN_IMAGE_SIZE = 8
+
+_PAD_ID = 151643  # <|endoftext|>, the Qwen2 pad token
+_CLIP_MAX_LENGTH = 77
+_T5_MAX_LENGTH = 32
+_CLIP_DIM = 8  # hidden == projection width of each CLIP encoder
+_T5_DIM = 2 * _CLIP_DIM  # the pipeline zero-pads [clip_l | clip_g] up to T5's width
+_LATENT_CHANNELS = 4
+_VAE_CHANNELS = (8, 16, 16)  # three levels -> vae_scale_factor 4
+
+
+def _clip() -> CLIPTextModelWithProjection:
+    config = CLIPTextConfig(
+        vocab_size=QWEN2_VOCAB_SIZE,
+        hidden_size=_CLIP_DIM,
+        intermediate_size=2 * _CLIP_DIM,
+        projection_dim=_CLIP_DIM,
+        num_hidden_layers=2,  # the pipeline reads hidden_states[-2]
+        num_attention_heads=2,
+        max_position_embeddings=_CLIP_MAX_LENGTH,
+        hidden_act="gelu",
+        pad_token_id=_PAD_ID,
+        bos_token_id=_PAD_ID,
+        eos_token_id=_PAD_ID,
+    )
+    return CLIPTextModelWithProjection(config).eval()
+
+
+def _t5() -> T5EncoderModel:
+    config = T5Config(
+        vocab_size=QWEN2_VOCAB_SIZE,
+        d_model=_T5_DIM,
+        d_kv=8,
+        d_ff=2 * _T5_DIM,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=_PAD_ID,
+        eos_token_id=_PAD_ID,
+    )
+    return T5EncoderModel(config).eval()
+
+
+def _transformer() -> SD3Transformer2DModel:
+    heads, head_dim = 2, 16
+    return SD3Transformer2DModel(
+        sample_size=8,  # default latent size -> 32 px images when height/width are omitted
+        patch_size=2,
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=_T5_DIM,
+        caption_projection_dim=heads * head_dim,
+        pooled_projection_dim=2 * _CLIP_DIM,
+        pos_embed_max_size=32,
+    )
+
+
+def _vae() -> AutoencoderKL:
+    levels = len(_VAE_CHANNELS)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=_VAE_CHANNELS,
+        layers_per_block=1,
+        latent_channels=_LATENT_CHANNELS,
+        norm_num_groups=4,
+        sample_size=32,
+        # SD3's latent normalisation constants, kept so latent statistics code paths match.
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def build_tiny_sd3(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
+    """Builds a random-weight ``StableDiffusion3Pipeline`` and saves it (float32 safetensors).
+
+    Each component is created on CPU right after ``torch.manual_seed(seed)``, so builds
+    are bit-reproducible. ``tokenizer_dir`` is a :func:`build_qwen2_tokenizer` output;
+    without it one is built (~3 s).
+    """
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        if tokenizer_dir is None:
+            tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+        # Loading the 151k-token tokenizer takes ~1 s; the slots differ only in
+        # model_max_length, so they are shallow copies sharing one backend.
+        base = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizers = {}
+        for slot, length in (
+            ("tokenizer", _CLIP_MAX_LENGTH),
+            ("tokenizer_2", _CLIP_MAX_LENGTH),
+            ("tokenizer_3", _T5_MAX_LENGTH),
+        ):
+            tokenizers[slot] = copy.copy(base)
+            tokenizers[slot].model_max_length = length
+
+        with torch.device("cpu"):
+            torch.manual_seed(seed)
+            transformer = _transformer()
+            torch.manual_seed(seed)
+            vae = _vae()
+            # Distinct seeds so the two CLIP towers are not clones of each other.
+            torch.manual_seed(seed)
+            clip_l = _clip()
+            torch.manual_seed(seed + 1)
+            clip_g = _clip()
+            torch.manual_seed(seed)
+            t5 = _t5()
+
+        pipe = StableDiffusion3Pipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+            vae=vae,
+            text_encoder=clip_l,
+            text_encoder_2=clip_g,
+            text_encoder_3=t5,
+            **tokenizers,
+        )
+        pipe.save_pretrained(str(out_dir), safe_serialization=True)
+        for slot in tokenizers:
+            place_tokenizer_json(Path(tokenizer_dir), out_dir / slot)
+    return out_dir

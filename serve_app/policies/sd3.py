@@ -1,0 +1,213 @@
+"""Stable Diffusion 3: CLIP-L + CLIP-G + T5 text encoders, an MMDiT over 2x2 patches, a 2-D VAE.
+
+The text side mirrors the stock ``StableDiffusion3Pipeline.encode_prompt``: both CLIP towers see
+their prompt padded to ``tokenizer.model_max_length`` (77) and contribute ``hidden_states[-2]``
+(clip_skip None) and their projected pooled output; T5 sees its prompt padded to
+``max_sequence_length``. Nothing is masked: every position of the padded sequences conditions the
+transformer, exactly as in the stock pipeline, so the tokenizer pads in full rather than per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+from transformers import AutoTokenizer
+
+from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.schemas import PromptEmbeds, PromptTokens
+
+CLIP_SLOTS = ("tokenizer", "tokenizer_2")
+T5_SLOT = "tokenizer_3"
+TOKENIZER_SLOTS = (*CLIP_SLOTS, T5_SLOT)
+DEFAULT_CLIP_LENGTH = 77  # the stock pipeline's fallback when it has no tokenizer
+DEFAULT_MAX_SEQUENCE_LENGTH = 256  # the stock pipeline's default `max_sequence_length`
+
+
+def clip_length(tokenizers: dict[str, Any]) -> int:
+    """The stock pipeline's ``tokenizer_max_length``: the first CLIP tokenizer's limit, for both towers."""
+    tokenizer = tokenizers.get("tokenizer")
+    return int(tokenizer.model_max_length) if tokenizer is not None else DEFAULT_CLIP_LENGTH
+
+
+def t5_length(tokenizers: dict[str, Any]) -> int:
+    """T5 tokens per prompt: the stock default (256), capped by the T5 tokenizer's own limit."""
+    tokenizer = tokenizers.get(T5_SLOT)
+    if tokenizer is None:
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+    return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
+
+
+class SD3TextProcessor(TextProcessor):
+    """Three tokenizations per prompt, padded and truncated as the stock pipeline feeds its encoders."""
+
+    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        missing = [slot for slot in CLIP_SLOTS if tokenizers.get(slot) is None]
+        if missing:
+            raise ValueError(f"SD3 needs its CLIP tokenizers; missing: {', '.join(missing)}")
+        present = {slot: tok for slot, tok in tokenizers.items() if tok is not None}
+        super().__init__(present)
+        self.clip_length = clip_length(present)
+        self.max_sequence_length = t5_length(present)
+
+    def format(self, prompt: str) -> str:
+        return prompt  # SD3 has no prompt template
+
+    def tokenize(self, prompts: Sequence[str]) -> list[PromptTokens]:
+        texts = [self.format(p) for p in prompts]
+        ids: dict[str, torch.Tensor] = {}
+        for slot in CLIP_SLOTS:  # _get_clip_prompt_embeds
+            ids[slot] = self._tokenizer(slot)(
+                texts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
+            ).input_ids
+        if T5_SLOT in self._prototypes:  # _get_t5_prompt_embeds
+            ids[T5_SLOT] = self._tokenizer(T5_SLOT)(
+                texts,
+                padding="max_length",
+                max_length=self.max_sequence_length,
+                truncation=True,
+                add_special_tokens=True,
+                return_tensors="pt",
+            ).input_ids
+        return [
+            PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
+            for row, p in enumerate(prompts)
+        ]
+
+
+class SD3Policy(DiffusionPolicy):
+    family = "sd3"
+    pipeline_class_names = ("StableDiffusion3Pipeline",)
+    cfg_renormalize = False
+
+    @classmethod
+    def _pipeline_class(cls) -> Any:
+        return StableDiffusion3Pipeline
+
+    @staticmethod
+    def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
+        encoders = [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3]
+        return [m for m in encoders if m is not None] + [pipeline.vae]
+
+    def _tokenizers(self) -> dict[str, Any]:
+        return {slot: getattr(self.pipeline, slot, None) for slot in TOKENIZER_SLOTS}
+
+    def _make_text_processor(self) -> SD3TextProcessor:
+        return SD3TextProcessor(self._tokenizers())
+
+    @classmethod
+    def load_text_processor(cls, local_dir: str | Path) -> SD3TextProcessor:
+        tokenizers: dict[str, Any] = {}
+        for slot in TOKENIZER_SLOTS:
+            folder = Path(local_dir) / slot
+            if slot == T5_SLOT and not folder.is_dir():
+                continue  # a pipeline saved without T5
+            tokenizers[slot] = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return SD3TextProcessor(tokenizers)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5 tokens per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
+        return t5_length(self._tokenizers())
+
+    # -- geometry and schedule -------------------------------------------------------------
+
+    @property
+    def _vae_factor(self) -> int:
+        return int(self.pipeline.vae_scale_factor)
+
+    @property
+    def _patch_size(self) -> int:
+        return int(self.pipeline.transformer.config.patch_size)
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self._vae_factor * self._patch_size
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        channels = self.pipeline.transformer.config.in_channels
+        return (channels, height // self._vae_factor, width // self._vae_factor)
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+        config = scheduler.config
+        kwargs: dict[str, Any] = {}
+        if config.get("use_dynamic_shifting", None):
+            _, latent_h, latent_w = self.latent_shape(height, width)
+            image_seq_len = (latent_h // self._patch_size) * (latent_w // self._patch_size)
+            kwargs["mu"] = calculate_shift(
+                image_seq_len,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),  # the SD3 pipeline's fallback (Flux/Qwen use 1.15)
+            )
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+
+    # -- model calls -------------------------------------------------------------------------
+
+    def _clip(self, encoder: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = encoder(ids.to(self.device), output_hidden_states=True)
+        dtype = self.pipeline.text_encoder.dtype
+        return out.hidden_states[-2].to(dtype), out[0]
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        pipe = self.pipeline
+        missing = [slot for slot in CLIP_SLOTS if any(slot not in p.token_ids for p in prompts)]
+        if missing or not prompts:
+            raise ValueError(
+                f"SD3 needs token ids for {', '.join(TOKENIZER_SLOTS)} (use the family's TextProcessor); "
+                f"missing: {', '.join(missing) or 'prompts'}"
+            )
+        clip_l, pooled_l = self._clip(pipe.text_encoder, torch.stack([p.token_ids["tokenizer"] for p in prompts]))
+        clip_g, pooled_g = self._clip(pipe.text_encoder_2, torch.stack([p.token_ids["tokenizer_2"] for p in prompts]))
+        clip = torch.cat([clip_l, clip_g], dim=-1)
+
+        if pipe.text_encoder_3 is None:
+            length = (
+                prompts[0].token_ids[T5_SLOT].shape[0] if T5_SLOT in prompts[0].token_ids else self.max_sequence_length
+            )
+            t5 = torch.zeros(
+                (len(prompts), length, pipe.transformer.config.joint_attention_dim),
+                device=self.device,
+                dtype=pipe.text_encoder.dtype,
+            )
+        else:
+            if any(T5_SLOT not in p.token_ids for p in prompts):
+                raise ValueError(f"SD3 needs token ids for {T5_SLOT} (use the family's TextProcessor)")
+            t5_ids = torch.stack([p.token_ids[T5_SLOT] for p in prompts]).to(self.device)
+            t5 = pipe.text_encoder_3(t5_ids)[0].to(pipe.text_encoder_3.dtype)
+
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        embeds = torch.cat([clip, t5], dim=-2)
+        pooled = torch.cat([pooled_l, pooled_g], dim=-1)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        return PromptEmbeds(embeds.to(self.dtype), mask, pooled.to(self.dtype))
+
+    def predict(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
+    ) -> torch.Tensor:
+        if cond.pooled is None:
+            raise ValueError("SD3 needs pooled prompt embeddings (PromptEmbeds.pooled)")
+        # The stock pipeline passes scheduler.timesteps = sigmas * num_train_timesteps (float32).
+        num_train_timesteps = self.pipeline.scheduler.config.num_train_timesteps
+        timestep = sigma.to(device=latents.device, dtype=torch.float32) * num_train_timesteps
+        return self.pipeline.transformer(
+            hidden_states=latents.to(self.dtype),
+            timestep=timestep,
+            encoder_hidden_states=cond.embeds.to(self.dtype),
+            pooled_projections=cond.pooled.to(self.dtype),
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        pipe = self.pipeline
+        vae = pipe.vae
+        latents = (latents.to(vae.dtype) / vae.config.scaling_factor) + vae.config.shift_factor
+        images = vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(images, output_type="pt")

