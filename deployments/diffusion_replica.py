@@ -37,6 +37,10 @@ def load_engine(config: RolloutConfig) -> RolloutEngine:
 
 class DiffusionReplica:
     def __init__(self, config: RolloutConfig) -> None:
+        if config.replica.torch_threads is not None:
+            # Ray pins OMP_NUM_THREADS to the replica's whole CPUs (1 for a fractional share); a CPU
+            # replica that should use the machine's cores says so here.
+            torch.set_num_threads(config.replica.torch_threads)
         self.engine = load_engine(config)
         self.generate.set_max_batch_size(config.replica.max_batch_size)
         self.generate.set_batch_wait_timeout_s(config.replica.batch_wait_timeout_s)

@@ -79,7 +79,7 @@ class AutoscalingConfig(_Section):
     target_ongoing_requests: float = Field(2, gt=0, description="Ongoing chunk calls per replica autoscaling aims for.")
     upscale_delay_s: float = Field(5, ge=0, description="Seconds demand must stay high before scaling up.")
     downscale_delay_s: float = Field(60, ge=0, description="Seconds demand must stay low before scaling down.")
-    look_back_period_s: float = Field(10, gt=0, description="Window over which ongoing requests are averaged.")
+    look_back_period_s: float = Field(15, gt=0, description="Window over which ongoing requests are averaged.")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingConfig:
@@ -103,6 +103,11 @@ class ReplicaConfig(_Section):
     max_ongoing_requests: int = Field(8, ge=1, description="Chunk calls a replica takes at once; >= max_batch_size.")
     max_queued_requests: int = Field(-1, ge=-1, description="Chunk calls queued per deployment handle; -1 = unbounded.")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description="Replica autoscaling.")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads per replica; None keeps Ray's default (OMP_NUM_THREADS = int(num_cpus), at least 1).",
+    )
     weights_dir: str | None = Field(
         None, description="Where the trainer publishes weight versions; None = a folder under FLOWGRPO_HOME."
     )

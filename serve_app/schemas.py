@@ -8,7 +8,7 @@ deployments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -161,7 +161,8 @@ class Trajectory:
     step_indices:     [K] long, which steps of the schedule are stochastic (the SDE window).
     images:           [B, 3, H, W] uint8 decoded images.
     seeds:            [B] long per-sample seeds.
-    prompt_embeds:    conditioning once per prompt (P rows); `prompt_index` [B] maps a sample to its row.
+    prompt_embeds:    conditioning once per distinct prompt (P rows); `embed_row` [B] maps a sample to its row.
+    prompt_index:     [B] long, the sample's prompt (its group) in the request.
     negative_embeds:  one row, shared by all samples, or None without CFG.
     sample_index:     [B] long, the sample's index within its group.
     policy_version:   the weights version that produced every sample here.
@@ -174,17 +175,15 @@ class Trajectory:
     images: torch.Tensor
     seeds: torch.Tensor
     prompt_embeds: PromptEmbeds
-    prompt_index: torch.Tensor
+    embed_row: torch.Tensor
     negative_embeds: PromptEmbeds | None
     sampling: SamplingParams
-    sample_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    prompt_index: torch.Tensor
+    sample_index: torch.Tensor
     policy_version: int = 0
 
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
-
-    def with_prompt_rows(self, prompt_embeds: PromptEmbeds, prompt_index: torch.Tensor) -> Trajectory:
-        return replace(self, prompt_embeds=prompt_embeds, prompt_index=prompt_index)
 
     def nbytes(self) -> int:
         """Bytes of tensor payload (what crosses the wire between deployments)."""
