@@ -22,5 +22,12 @@ venv: $(VENV)/.installed
 test: venv
 	$(PY) -m pytest -q tests
 
+# A FlowGRPO run (~3-5 min at ~3 s/step on 2 idle cores) on CPU against the app deployed on a local Ray cluster (loopback only);
+# `make demo STEPS=60` trains longer, `make demo OUT=outputs/mine` picks the output folder.
+STEPS ?= 60
+OUT ?= outputs/demo
+demo: venv
+	STEPS=$(STEPS) OUT=$(OUT) PY=$(PY) scripts/demo.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache

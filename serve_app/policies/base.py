@@ -54,7 +54,8 @@ class DiffusionPolicy(abc.ABC):
     """A flow-matching text-to-image model: encode prompts, predict velocity (with true CFG), decode."""
 
     family: ClassVar[str]
-    pipeline_class_names: ClassVar[tuple[str, ...]]
+    pipeline_class: ClassVar[type]
+    pipeline_class_names: ClassVar[tuple[str, ...]]  # model_index.json `_class_name`s this family loads
     cfg_renormalize: ClassVar[bool]
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
@@ -67,16 +68,12 @@ class DiffusionPolicy(abc.ABC):
     def from_pretrained(
         cls, local_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> DiffusionPolicy:
-        pipeline = cls._pipeline_class().from_pretrained(str(local_dir), local_files_only=True, dtype=dtype)
+        pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in cls._frozen_modules(pipeline):
             module.requires_grad_(False)
         return cls(pipeline, device=torch.device(device), dtype=dtype)
-
-    @classmethod
-    @abc.abstractmethod
-    def _pipeline_class(cls) -> Any: ...
 
     @staticmethod
     @abc.abstractmethod

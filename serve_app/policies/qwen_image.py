@@ -46,12 +46,9 @@ class QwenImageTextProcessor(TextProcessor):
 
 class QwenImagePolicy(DiffusionPolicy):
     family = "qwen_image"
+    pipeline_class = QwenImagePipeline
     pipeline_class_names = ("QwenImagePipeline",)
     cfg_renormalize = True
-
-    @classmethod
-    def _pipeline_class(cls) -> Any:
-        return QwenImagePipeline
 
     @staticmethod
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:

@@ -81,12 +81,9 @@ class SD3TextProcessor(TextProcessor):
 
 class SD3Policy(DiffusionPolicy):
     family = "sd3"
+    pipeline_class = StableDiffusion3Pipeline
     pipeline_class_names = ("StableDiffusion3Pipeline",)
     cfg_renormalize = False
-
-    @classmethod
-    def _pipeline_class(cls) -> Any:
-        return StableDiffusion3Pipeline
 
     @staticmethod
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:

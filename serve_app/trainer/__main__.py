@@ -1,0 +1,56 @@
+"""CLI: train against a deployed rollout app.
+
+    python -m serve_app.trainer --config trainer/flowgrpo --steps 30 --out outputs/run1 [key=value ...]
+    python -m serve_app.trainer --out outputs/run1 --resume outputs/run1/checkpoint --steps 60
+
+The config is validated before anything connects to Ray, so a typo fails in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m serve_app.trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="trainer/flowgrpo", help="config name under configs/ or a .yaml path")
+    parser.add_argument("--steps", type=int, default=None, help="overrides trainer.steps")
+    parser.add_argument("--out", required=True, help="output directory, e.g. outputs/run1")
+    parser.add_argument("--resume", default=None, help="a checkpoint directory (outputs/<run>/checkpoint)")
+    parser.add_argument("--address", default="auto", help="Ray cluster address (default: the running local one)")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.lr=1e-3")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from serve_app.config import ConfigError
+    from serve_app.trainer.config import load_trainer_config
+
+    overrides = list(args.overrides) + ([f"trainer.steps={args.steps}"] if args.steps is not None else [])
+    try:
+        config = load_trainer_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"invalid trainer config: {e}", file=sys.stderr)
+        return 2
+
+    import ray
+    from ray import serve
+
+    from serve_app.client import RolloutClient
+    from serve_app.trainer.trainer import FlowGRPOTrainer
+
+    ray.init(address=args.address, log_to_driver=False)
+    client = RolloutClient(config.app_name)
+    client.handle  # fails now, with the deploy hint, when the app is not running
+    replica = serve.get_deployment_handle("DiffusionReplica", config.app_name) if config.trainer.prefetch else None
+    trainer = FlowGRPOTrainer(config, client, args.out, resume=args.resume, replica_handle=replica)
+    trainer.train()
+    print(trainer.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

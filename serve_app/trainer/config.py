@@ -1,0 +1,93 @@
+"""Typed settings of the reference trainer: the rollout config plus a `trainer:` section.
+
+    cfg = load_trainer_config("trainer/flowgrpo", ["trainer.lr=1e-3"])
+
+The trainer composes the same files as the app (``defaults: [diffusion_rollout, _self_]``), so its
+model, sampling and weights directory agree with what the replicas run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field, model_validator
+
+from serve_app.config import RolloutConfig, _Section, load_config
+
+
+class LoraSection(_Section):
+    """LoRA on the transformer (peft); disabled = full fine-tune of the transformer."""
+
+    enabled: bool = Field(True, description="Train a LoRA adapter; False trains every transformer weight.")
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / r).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        min_length=1,
+        description="Module names (suffixes) that get adapters: the attention projections.",
+    )
+
+
+class TrainerSection(_Section):
+    """The FlowGRPO loop: batch shape, optimiser, objective, logging."""
+
+    steps: int = Field(30, ge=1, description="Training steps (one rollout request each).")
+    prompts_per_step: int = Field(2, ge=1, description="Prompts (groups) per rollout request.")
+    group_size: int = Field(8, ge=2, description="Samples per prompt; advantages are relative within a group.")
+    prompts: list[str] = Field(
+        default_factory=lambda: ["a photo of a cat"], min_length=1, description="Training prompts, used round-robin."
+    )
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the reference (base) policy.")
+    clip_range: float = Field(1e-4, gt=0, lt=1, description="PPO clip range e of the ratio.")
+    adv_clip: float = Field(5.0, gt=0, description="Advantages are clamped to +-adv_clip.")
+    grad_clip_norm: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_size: int = Field(8, ge=1, description="Rows per replayed forward pass.")
+    grad_accum: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step; None = all of a rollout (one step per epoch)."
+    )
+    inner_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    onpolicy_tolerance: float = Field(
+        1e-4, gt=0, description="Largest |ratio - 1| accepted before the first optimizer step of a rollout."
+    )
+    lora: LoraSection = Field(default_factory=LoraSection, description="Adapter settings.")
+    eval_every: int = Field(0, ge=0, description="Steps between ODE evaluations (with an image grid); 0 = never.")
+    image_every: int = Field(5, ge=0, description="Steps between grids of training images; 0 = never.")
+    checkpoint_every: int = Field(10, ge=0, description="Steps between checkpoints; 0 = only at the end.")
+    prefetch: bool = Field(False, description="Push each new version to the live replicas ahead of requests.")
+    seed: int = Field(0, ge=0, description="Seeds rollout requests (step s uses seed*1_000_003 + s) and torch.")
+    rollout_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one rollout request.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerSection:
+        if self.prompts_per_step > len(self.prompts):
+            raise ValueError(
+                f"trainer.prompts_per_step ({self.prompts_per_step}) exceeds the {len(self.prompts)} trainer.prompts"
+            )
+        return self
+
+
+class TrainerRunConfig(RolloutConfig):
+    """A training run: everything the app uses, plus the trainer."""
+
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="The FlowGRPO trainer.")
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainerRunConfig:
+        samples = self.trainer.prompts_per_step * self.trainer.group_size
+        if samples > self.ingress.max_samples:
+            raise ValueError(
+                f"trainer.prompts_per_step * trainer.group_size = {samples} exceeds ingress.max_samples "
+                f"({self.ingress.max_samples})"
+            )
+        if self.trainer.group_size > self.ingress.max_group_size:
+            raise ValueError(
+                f"trainer.group_size ({self.trainer.group_size}) exceeds ingress.max_group_size ({self.ingress.max_group_size})"
+            )
+        return self
+
+
+def load_trainer_config(name: str = "trainer/flowgrpo", overrides: Sequence[str] = ()) -> TrainerRunConfig:
+    """Compose and validate a trainer config; errors name the offending key (ConfigError)."""
+    return load_config(name, overrides, schema=TrainerRunConfig)

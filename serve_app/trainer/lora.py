@@ -1,0 +1,108 @@
+"""What the trainer trains: a peft LoRA adapter named like the replicas' one, or the whole transformer.
+
+The adapter is added with `transformer.add_adapter(..., adapter_name="flowgrpo")` (diffusers'
+PeftAdapterMixin) exactly as :class:`serve_app.engine.PolicyVersions` does on a replica, so the keys
+of `get_peft_model_state_dict` load there unchanged. peft's default init sets B = 0: a fresh
+adapter is a no-op and the trainer's weights at version 0 equal the base checkpoint's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+
+from serve_app.engine import PolicyVersions
+from serve_app.policies.base import DiffusionPolicy
+from serve_app.trainer.config import LoraSection
+from serve_app.weights import LoraSpec, WeightKind
+
+ADAPTER = PolicyVersions.ADAPTER
+
+
+class TrainableTransformer:
+    """Owns the trainable part of a policy's transformer and the reference policy for the KL term."""
+
+    def __init__(self, policy: DiffusionPolicy, lora: LoraSection) -> None:
+        self.policy = policy
+        self.lora = lora
+        transformer = policy.transformer
+        transformer.requires_grad_(False)
+        self._reference: torch.nn.Module | None = None
+        if lora.enabled:
+            from peft import LoraConfig
+
+            transformer.add_adapter(
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    target_modules=list(lora.target_modules),
+                    init_lora_weights=True,
+                ),
+                adapter_name=ADAPTER,
+            )
+            transformer.set_adapter(ADAPTER)
+        else:
+            self._reference = copy.deepcopy(transformer).eval()
+            transformer.requires_grad_(True)
+        self.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        if not self.named:
+            raise ValueError(f"no trainable parameters: lora.target_modules {lora.target_modules} matched nothing")
+
+    @property
+    def kind(self) -> WeightKind:
+        return "lora" if self.lora.enabled else "full"
+
+    @property
+    def spec(self) -> LoraSpec | None:
+        if not self.lora.enabled:
+            return None
+        return LoraSpec(rank=self.lora.rank, alpha=self.lora.alpha, target_modules=list(self.lora.target_modules))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.named.values())
+
+    def publishable_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a replica installs for a version (peft keys for LoRA, the state dict otherwise)."""
+        transformer = self.policy.transformer
+        if self.lora.enabled:
+            from peft import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER)
+        else:
+            state = transformer.state_dict()
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Trainable parameters by their module names (what a checkpoint stores)."""
+        return {n: p.detach().cpu().clone() for n, p in self.named.items()}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.named) - set(state))
+        extra = sorted(set(state) - set(self.named))
+        if missing or extra:
+            raise ValueError(f"checkpoint does not fit the trainable parameters: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for name, param in self.named.items():
+                param.copy_(state[name].to(param.device, param.dtype))
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The frozen base policy for the KL term: adapters off (LoRA) or the frozen copy swapped in."""
+        transformer = self.policy.transformer
+        if self.lora.enabled:
+            transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                transformer.enable_adapters()
+                transformer.set_adapter(ADAPTER)
+        else:
+            pipeline = self.policy.pipeline
+            pipeline.transformer = self._reference
+            try:
+                yield
+            finally:
+                pipeline.transformer = transformer

@@ -1,0 +1,353 @@
+"""The reference FlowGRPO trainer: rollouts by DeploymentHandle, a clipped-ratio update on its own
+copy of the policy, and a version-pinned weight sync through the WeightStore.
+
+One training step, top to bottom:
+
+    1. rollout  - client.rollout(prompts, group_size, policy_version=v) -> TrajectoryBatch stamped v
+    2. update   - replay every window transition k with the current weights (sampler.replay_step,
+                  the code the rollout ran), r = exp(logp - logp_old), clipped loss + beta * KL,
+                  AdamW with gradient clipping and accumulation; the first replay must give r == 1
+    3. publish  - WeightStore.publish(v', adapter tensors) and pin the next rollout to v'
+    4. log      - one metrics.csv row; grids, evaluations and checkpoints every few steps
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from serve_app.errors import PolicyVersionError
+from serve_app.flowgrpo.sampler import replay_step
+from serve_app.flowgrpo.sde import kl_between_means
+from serve_app.policies.base import DiffusionPolicy
+from serve_app.schemas import SamplingParams, Trajectory, TrajectoryBatch
+from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
+from serve_app.trainer.config import TrainerRunConfig
+from serve_app.trainer.lora import TrainableTransformer
+from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
+from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
+from serve_app.weights import WeightStore, weights_dir
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TrainingDivergedError(RuntimeError):
+    """A non-finite loss or gradient: training stops before the weights or the checkpoint change."""
+
+
+class OnPolicyMismatchError(RuntimeError):
+    """The first replay after a rollout did not give ratio 1: trainer and replicas hold different weights."""
+
+
+class RolloutSource(Protocol):
+    def rollout(self, prompts: list[str], group_size: int, sampling: Any = None, policy_version: int | None = None,
+                seed: int | None = None, *, timeout_s: float | None = None) -> TrajectoryBatch: ...
+
+
+def load_trainer_policy(config: TrainerRunConfig) -> DiffusionPolicy:
+    """The same checkpoint the app's replicas load (config.model), on this process's device."""
+    from serve_app.models import ensure_embedded_model
+    from serve_app.policies import load_policy
+
+    model = config.model
+    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = model.path or ensure_embedded_model(model.embedded)
+    return load_policy(path, family=model.family, device=device, dtype=_DTYPES[model.dtype])
+
+
+@dataclass
+class UpdateStats:
+    losses: list[float] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+    approx_kls: list[float] = field(default_factory=list)
+    clip_fracs: list[float] = field(default_factory=list)
+    ratios: list[torch.Tensor] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    onpolicy_ratio_dev: float = 0.0
+
+
+class FlowGRPOTrainer:
+    """Trains a LoRA (or the whole transformer) against a deployed rollout app.
+
+    Args:
+        config: the run's config (the app must run the same model and weights_dir).
+        client: a RolloutClient (or anything with its `rollout`).
+        out_dir: outputs/<run>.
+        policy: an already loaded policy (tests); default loads config.model.
+        resume: a checkpoint directory to continue from.
+        replica_handle: optional DiffusionReplica handle to push new versions ahead (trainer.prefetch).
+    """
+
+    def __init__(self, config: TrainerRunConfig, client: RolloutSource, out_dir: str | Path, *,
+                 policy: DiffusionPolicy | None = None, resume: str | Path | None = None,
+                 replica_handle: Any | None = None, progress: bool = True) -> None:
+        self.config = config
+        self.cfg = config.trainer
+        self.client = client
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        self.replica_handle = replica_handle
+        torch.manual_seed(self.cfg.seed)
+        self.policy = policy if policy is not None else load_trainer_policy(config)
+        self.model = TrainableTransformer(self.policy, self.cfg.lora)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.store = WeightStore(weights_dir(config))
+        self.sampling: SamplingParams = config.sampling
+        self.step = 0  # steps completed
+        self.version = 0  # the version the trainer's weights equal (0 = base; a fresh adapter is a no-op)
+        self.step_seconds: list[float] = []
+        self.total_steps = self.cfg.steps
+        if resume is not None:
+            self._resume(Path(resume))
+        self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None)
+        if resume is not None:
+            self.metrics.truncate_after(self.step - 1)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Run until `steps` (default trainer.steps) steps are done; returns the metric rows."""
+        from tqdm import tqdm
+
+        total = self.total_steps = steps if steps is not None else self.cfg.steps
+        bar = tqdm(total=total, initial=self.step, desc="flowgrpo", disable=not self.progress, dynamic_ncols=True)
+        while self.step < total:
+            row = self.train_step()
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.4f}", ratio=f"{row['ratio_max']:.4f}", v=self.version)
+            last = self.step == total
+            if self.cfg.checkpoint_every and (self.step % self.cfg.checkpoint_every == 0) or last:
+                self.save_checkpoint()
+        bar.close()
+        self.finish()
+        return self.metrics.rows
+
+    def train_step(self) -> dict[str, float]:
+        step, cfg = self.step, self.cfg
+        started = time.perf_counter()
+        # 1. Rollout at the trainer's current version.
+        batch = self.client.rollout(
+            self._prompts(step), cfg.group_size, sampling=self.sampling, policy_version=self.version,
+            seed=self._request_seed(step), timeout_s=cfg.rollout_timeout_s,
+        )
+        sample_s = time.perf_counter() - started
+        if batch.policy_version != self.version:
+            raise PolicyVersionError(
+                f"step {step}: asked for policy version {self.version}, the rollout is stamped {batch.policy_version}"
+            )
+        trajectory = batch.trajectory
+        advantages = batch.advantages.float().clamp(-cfg.adv_clip, cfg.adv_clip)
+        # 2. Update.
+        train_started = time.perf_counter()
+        stats = self._update(trajectory, advantages)
+        train_s = time.perf_counter() - train_started
+        # 3. Publish the new weights and pin the next rollout to them.
+        sync_started = time.perf_counter()
+        self.version = self.publish()
+        weight_sync_s = time.perf_counter() - sync_started
+        # 4. Log.
+        self.step += 1
+        row = self._row(step, batch, advantages, stats, sample_s, train_s, weight_sync_s, time.perf_counter() - started)
+        if cfg.image_every and step % cfg.image_every == 0:
+            save_image_grid(trajectory.images, self.out / f"train_step{step:05d}.png", columns=cfg.group_size)
+        if cfg.eval_every and (step % cfg.eval_every == 0 or self.step == self.total_steps):
+            row["eval_reward_mean"] = self.evaluate(step)
+        self.metrics.append(row)
+        self.step_seconds.append(row["step_seconds"])
+        return row
+
+    def _update(self, trajectory: Trajectory, advantages: torch.Tensor) -> UpdateStats:
+        """inner_epochs passes over the batch in micro-batches, every window step k of each row."""
+        cfg, stats = self.cfg, UpdateStats()
+        batch, window = len(trajectory), trajectory.log_probs.shape[1]
+        if window == 0:
+            raise ValueError("the rollout has no stochastic steps (sde_type 'ode' or noise_level 0): nothing to train")
+        generator = torch.Generator().manual_seed(self._request_seed(self.step))
+        optimizer_steps = 0
+        self.policy.transformer.train()
+        for _epoch in range(cfg.inner_epochs):
+            micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
+            accum = cfg.grad_accum or len(micro_batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, rows in enumerate(micro_batches):
+                group_start = (i // accum) * accum
+                in_group = min(group_start + accum, len(micro_batches)) - group_start
+                for k in range(window):
+                    loss = self._micro_loss(trajectory, advantages, k, rows, stats, on_policy=optimizer_steps == 0)
+                    (loss / (window * in_group)).backward()
+                if i + 1 == group_start + in_group:
+                    self._optimizer_step(stats)
+                    optimizer_steps += 1
+        self.policy.transformer.eval()
+        return stats
+
+    def _micro_loss(self, trajectory: Trajectory, advantages: torch.Tensor, k: int, rows: torch.Tensor,
+                    stats: UpdateStats, *, on_policy: bool) -> torch.Tensor:
+        cfg = self.cfg
+        new = replay_step(self.policy, trajectory, k, rows=rows)
+        old_log_prob = trajectory.log_probs[rows, k].to(new.log_prob.device)
+        policy_loss, ratio = clipped_ratio_loss(new.log_prob, old_log_prob, advantages[rows].to(new.log_prob.device), cfg.clip_range)
+        if on_policy:
+            deviation = float((ratio.detach() - 1.0).abs().max())
+            stats.onpolicy_ratio_dev = max(stats.onpolicy_ratio_dev, deviation)
+            if deviation > cfg.onpolicy_tolerance:
+                raise OnPolicyMismatchError(
+                    f"step {self.step}: replaying the rollout of version {self.version} before any update gives "
+                    f"|ratio - 1| = {deviation:.3g} > trainer.onpolicy_tolerance {cfg.onpolicy_tolerance}; the replicas' "
+                    "weights, sampling settings or precision differ from the trainer's"
+                )
+        kl = torch.zeros((), device=policy_loss.device)
+        if cfg.beta > 0:
+            # The reference runs without grad; the KL's gradient flows through new.mean only.
+            with torch.no_grad(), self.model.reference():
+                ref = replay_step(self.policy, trajectory, k, rows=rows)
+            kl = kl_between_means(new.mean, ref.mean, new.std).mean()
+        loss = policy_loss + cfg.beta * kl
+        if not torch.isfinite(loss):
+            raise self._diverged(
+                f"loss {float(loss.detach())} (policy loss {float(policy_loss.detach())}, kl {float(kl.detach())}) at window step {k}"
+            )
+        s = loss_stats(new.log_prob, old_log_prob, ratio, cfg.clip_range)
+        stats.losses.append(float(loss.detach()))
+        stats.kls.append(float(kl.detach()))
+        stats.approx_kls.append(s.approx_kl)
+        stats.clip_fracs.append(s.clip_frac)
+        stats.ratios.append(ratio.detach().cpu())
+        return loss
+
+    def _optimizer_step(self, stats: UpdateStats) -> None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+        if not torch.isfinite(grad_norm):
+            raise self._diverged(f"gradient norm {float(grad_norm)}")
+        stats.grad_norms.append(float(grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _diverged(self, what: str) -> TrainingDivergedError:
+        last = self.metrics.rows[-1] if self.metrics.rows else None
+        finite = (
+            f"last finite values (step {int(last['step'])}): loss {last['loss']:.6g}, reward_mean {last['reward_mean']:.6g}, "
+            f"ratio_max {last['ratio_max']:.6g}, policy_version {int(last['policy_version'])}"
+            if last else "no finite step before it"
+        )
+        return TrainingDivergedError(
+            f"non-finite {what} at step {self.step}; stopped before the optimizer step, the checkpoint is left as it "
+            f"was; {finite}"
+        )
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def publish(self) -> int:
+        """Publish the trainer's weights as a new version; returns it. Versions are never reused, so a
+        replica that cached a version number always holds those exact weights."""
+        version = self.store.latest_version() + 1
+        self.store.publish(version, self.model.publishable_state(), kind=self.model.kind, lora=self.model.spec)
+        if self.cfg.prefetch and self.replica_handle is not None:
+            self.replica_handle.prefetch_version.remote(version).result()
+        return version
+
+    def save_checkpoint(self) -> Path:
+        return save_checkpoint(
+            self.out / "checkpoint", step=self.step, policy_version=self.version,
+            trainable=self.model.trainable_state(), optimizer=self.optimizer.state_dict(),
+            extra={"app_name": self.config.app_name, "kind": self.model.kind},
+        )
+
+    def _resume(self, directory: Path) -> None:
+        state = load_checkpoint(directory)
+        self.model.load_trainable_state(state.trainable)
+        self.optimizer.load_state_dict(state.optimizer)
+        self.step, self.version = state.step, state.policy_version
+        if self.version > 0:
+            # The replicas serve the store's tensors for this version; they must equal ours.
+            stored = self.store.load(self.version).tensors
+            mine = self.model.publishable_state()
+            if set(stored) != set(mine) or any(not torch.equal(stored[k], mine[k]) for k in mine):
+                raise PolicyVersionError(
+                    f"checkpoint {directory} is at policy version {self.version}, but {self.store.root} holds other "
+                    "weights under that version"
+                )
+
+    # -- evaluation and outputs ---------------------------------------------------------------
+
+    def evaluate(self, step: int) -> float:
+        """ODE samples of the first prompts at the newest version, fixed seed; saves a grid."""
+        validation = self.config.validation
+        sampling = self.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed)
+        columns = min(self.cfg.group_size, 4)
+        batch = self.client.rollout(self._prompts(0), columns, sampling=sampling, policy_version=self.version,
+                                    seed=validation.seed, timeout_s=self.cfg.rollout_timeout_s)
+        save_image_grid(batch.trajectory.images, self.out / f"eval_step{step:05d}.png", columns=columns)
+        return float(batch.rewards["total"].mean())
+
+    def finish(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.model.publishable_state(), self.out / f"{self.model.kind}_final.safetensors")
+        if self.metrics.rows:
+            plot_reward_curve(self.metrics.rows, self.out / "reward_curve.png")
+
+    def summary(self) -> str:
+        rows = self.metrics.rows
+        if not rows:
+            return "no steps"
+        first = [r["reward_mean"] for r in rows[:5]]
+        last = [r["reward_mean"] for r in rows[-5:]]
+        rise = statistics.mean(last) - statistics.mean(first)
+        std0 = rows[0]["reward_std"]
+        per_step = statistics.mean(self.step_seconds) if self.step_seconds else math.nan
+        return (
+            f"steps {len(rows)} | reward mean first 5: {statistics.mean(first):.5f}, last 5: {statistics.mean(last):.5f} "
+            f"(rise {rise:+.5f} = {rise / std0 if std0 > 0 else math.inf:.1f} x step-0 std {std0:.5f}) | "
+            f"{per_step:.1f} s/step | final policy version {self.version} | outputs in {self.out}"
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _prompts(self, step: int) -> list[str]:
+        prompts, n = self.cfg.prompts, self.cfg.prompts_per_step
+        start = (step * n) % len(prompts)
+        return [prompts[(start + i) % len(prompts)] for i in range(n)]
+
+    def _request_seed(self, step: int) -> int:
+        return (self.cfg.seed * 1_000_003 + step) % (2**63)
+
+    def _row(self, step: int, batch: TrajectoryBatch, advantages: torch.Tensor, stats: UpdateStats,
+             sample_s: float, train_s: float, weight_sync_s: float, step_s: float) -> dict[str, float]:
+        ratios = torch.cat(stats.ratios)
+        total = batch.rewards["total"]
+        n = len(batch)
+        row = {
+            "step": step,
+            "policy_version": batch.policy_version,
+            "reward_mean": float(total.mean()),
+            "reward_std": float(total.std(unbiased=False)),
+            "advantage_mean": float(advantages.mean()),
+            "advantage_std": float(advantages.std(unbiased=False)),
+            "ratio_mean": float(ratios.mean()),
+            "ratio_min": float(ratios.min()),
+            "ratio_max": float(ratios.max()),
+            "onpolicy_ratio_dev": stats.onpolicy_ratio_dev,
+            "clip_frac": statistics.mean(stats.clip_fracs),
+            "approx_kl": statistics.mean(stats.approx_kls),
+            "kl": statistics.mean(stats.kls),
+            "loss": statistics.mean(stats.losses),
+            "grad_norm": statistics.mean(stats.grad_norms),
+            "tied_group_fraction": float(batch.metrics.get("tied_group_fraction", math.nan)),
+            "sample_images_per_s": n / sample_s,
+            "train_images_per_s": n * self.cfg.inner_epochs / train_s,
+            "weight_sync_s": weight_sync_s,
+            "step_seconds": step_s,
+            "eval_reward_mean": math.nan,
+        }
+        for key, value in batch.rewards.items():
+            if key != "total":
+                row[f"reward_{key}_mean"] = float(value.mean())
+        return row
