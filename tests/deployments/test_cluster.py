@@ -137,20 +137,47 @@ def _running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def test_autoscaling_up_under_load_and_back_down(cluster):
+def test_app_not_deployed_says_how_to_deploy(cluster):
     from serve_app.client import RolloutClient
+    from serve_app.errors import AppNotDeployedError
+
+    with pytest.raises(AppNotDeployedError, match="serve deploy serve_config.yaml"):
+        RolloutClient("no-such-app").rollout(["a cat"], 2)
+
+
+def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_pushed_version(cluster, flowgrpo_home):
+    from serve_app.client import RolloutClient
+    from serve_app.config import load_config
+    from serve_app.weights import LoraSpec, WeightStore, weights_dir
 
     client = RolloutClient("flowgrpo")
     _wait_for_replicas(1, timeout_s=90)  # earlier tests' load may have scaled it up
+    # Push version 1 while only one replica runs: the one autoscaling adds must fetch it itself.
+    store = WeightStore(weights_dir(load_config("diffusion_rollout", OVERRIDES)))
+    g = torch.Generator().manual_seed(0)
+    store.publish(1, {"proj_out.lora_A.weight": torch.randn(2, 32, generator=g) * 0.3,
+                      "proj_out.lora_B.weight": torch.randn(16, 2, generator=g) * 0.3},
+                  kind="lora", lora=LoraSpec(rank=2, alpha=2.0, target_modules=["proj_out"]))
+    sampling = {"num_steps": 8, "sde_window_range": [0, 5]}
+    reference = client.rollout(["a pinned cat"], 4, sampling, policy_version=1, seed=5).trajectory
+    assert reference.policy_version == 1
     deadline = time.monotonic() + 120
-    peak = 1
+    peak, pinned = 1, []
     with ThreadPoolExecutor(6) as pool:
         while time.monotonic() < deadline and peak < 2:
-            futures = [pool.submit(client.rollout, [f"load {i}"], 4, {"num_steps": 8, "sde_window_range": [0, 5]}) for i in range(6)]
+            futures = [pool.submit(client.rollout, [f"load {i}"], 4, sampling, 1) for i in range(5)]
+            futures.append(pool.submit(client.rollout, ["a pinned cat"], 4, sampling, 1, 5))
             for f in futures:
                 f.result(timeout=300)
                 peak = max(peak, _running_replicas())
+            pinned.append(futures[-1].result().trajectory)
     assert peak == 2
+    # Keep asking after the scale-up, so requests reach the new replica too.
+    with ThreadPoolExecutor(4) as pool:
+        pinned += [b.trajectory for b in pool.map(lambda _: client.rollout(["a pinned cat"], 4, sampling, 1, 5), range(8))]
+    for t in pinned:
+        assert t.policy_version == 1
+        torch.testing.assert_close(t.latents, reference.latents, atol=1e-5, rtol=0)
     _wait_for_replicas(1, timeout_s=90)
     assert _running_replicas() == 1
 
