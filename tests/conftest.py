@@ -27,6 +27,28 @@ def tiny_qwen_dir(flowgrpo_home):
 
 
 @pytest.fixture(scope="session")
+def ode_sample():
+    """Our sampler at noise 0 from given initial latents: (images [B, 3, H, W] float, log_probs).
+
+    What every policy family must match against its stock diffusers pipeline.
+    """
+    import torch
+
+    from serve_app.flowgrpo.sampler import denoise, encode_conditioning
+
+    def run(policy, prompt, params, latents, generators):
+        tokens = policy.text_processor().tokenize([prompt])
+        conditioning = encode_conditioning(policy, tokens, torch.zeros(1, dtype=torch.long), None, params)
+        assert (conditioning.negative is not None) == (params.guidance_scale > 1)
+        sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width)
+        steps = list(range(params.num_steps - 1))
+        result = denoise(policy, conditioning, latents, sigmas, steps, params, generators)
+        return policy.decode(result.final_latents, height=params.height, width=params.width), result.log_probs
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tiny_policy(tiny_qwen_dir):
     from serve_app.policies import load_policy
 

@@ -5,7 +5,6 @@ import torch
 
 from serve_app.flowgrpo.sampler import (
     Conditioning,
-    denoise,
     encode_conditioning,
     initial_latents,
     replay_step,
@@ -31,7 +30,7 @@ PARAMS = SamplingParams(height=32, width=32, num_steps=6, guidance_scale=4.0, no
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
-def test_noise_zero_reproduces_the_stock_pipeline(policy, text, guidance_scale):
+def test_noise_zero_reproduces_the_stock_pipeline(policy, ode_sample, guidance_scale):
     params = PARAMS.model_copy(update={"noise_level": 0.0, "guidance_scale": guidance_scale, "sde_window_size": None})
     prompt = "a red circle on a blue square"
     generators = sample_generators(torch.tensor([123]))
@@ -43,13 +42,10 @@ def test_noise_zero_reproduces_the_stock_pipeline(policy, text, guidance_scale):
         height=32, width=32, num_inference_steps=params.num_steps,
         latents=latents.clone(), output_type="pt",
     ).images
-    conditioning = encode_conditioning(policy, text.tokenize([prompt]), torch.zeros(1, dtype=torch.long), None, params)
-    sigmas = policy.sigma_schedule(params.num_steps, 32, 32)
-    ours = denoise(policy, conditioning, latents, sigmas, list(range(params.num_steps - 1)), params, generators)
-    image = policy.decode(ours.final_latents, height=32, width=32)
+    image, log_probs = ode_sample(policy, prompt, params, latents, generators)
     assert image.shape == stock.shape == (1, 3, 32, 32)
     torch.testing.assert_close(image, stock, atol=1e-5, rtol=0)
-    assert torch.equal(ours.log_probs, torch.zeros(1, params.num_steps - 1))
+    assert torch.equal(log_probs, torch.zeros(1, params.num_steps - 1))
 
 
 def test_trajectory_shapes_and_window(policy, text):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-from serve_app.flowgrpo.sampler import denoise, encode_conditioning, initial_latents, replay_step, sample_group
+from serve_app.flowgrpo.sampler import initial_latents, replay_step, sample_group
 from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.policies import SUPPORTED_FAMILIES, detect_family, load_policy, load_text_processor
 from serve_app.policies.sd3 import SD3Policy, SD3TextProcessor
@@ -110,7 +110,7 @@ def test_sigma_schedule_is_the_stock_one(policy, dynamic):
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
-def test_noise_zero_reproduces_the_stock_pipeline(policy, text, guidance_scale):
+def test_noise_zero_reproduces_the_stock_pipeline(policy, ode_sample, guidance_scale):
     params = PARAMS.model_copy(update={"noise_level": 0.0, "guidance_scale": guidance_scale, "sde_window_size": None})
     generators = sample_generators(torch.tensor([123]))
     latents = initial_latents(policy, params, generators)
@@ -122,14 +122,10 @@ def test_noise_zero_reproduces_the_stock_pipeline(policy, text, guidance_scale):
         max_sequence_length=policy.max_sequence_length,
         latents=latents.clone(), output_type="pt",
     ).images
-    conditioning = encode_conditioning(policy, text.tokenize([PROMPT]), torch.zeros(1, dtype=torch.long), None, params)
-    assert (conditioning.negative is not None) == (guidance_scale > 1)
-    sigmas = policy.sigma_schedule(params.num_steps, 32, 32)
-    ours = denoise(policy, conditioning, latents, sigmas, list(range(params.num_steps - 1)), params, generators)
-    image = policy.decode(ours.final_latents, height=32, width=32)
+    image, log_probs = ode_sample(policy, PROMPT, params, latents, generators)
     assert image.shape == stock.shape == (1, 3, 32, 32)
     torch.testing.assert_close(image, stock, atol=1e-5, rtol=0)
-    assert torch.equal(ours.log_probs, torch.zeros(1, params.num_steps - 1))
+    assert torch.equal(log_probs, torch.zeros(1, params.num_steps - 1))
 
 
 def test_replay_gives_ratio_one(policy, text):

@@ -9,7 +9,6 @@ from serve_app.shapes import (
     COLOURS,
     SHAPES,
     UNKNOWN,
-    SceneSpec,
     all_prompts,
     check,
     detect,
