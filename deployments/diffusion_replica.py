@@ -12,7 +12,7 @@ from ray.serve import metrics
 from serve_app.config import RolloutConfig
 from serve_app.engine import RolloutEngine
 from serve_app.schemas import RolloutChunk, Trajectory
-from serve_app.weights import WeightStore, weights_dir
+from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,7 +32,7 @@ def load_engine(config: RolloutConfig) -> RolloutEngine:
     device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     path = model.path or ensure_embedded_model(model.embedded)
     policy = load_policy(path, family=model.family, device=device, dtype=_DTYPES[model.dtype])
-    return RolloutEngine(policy, WeightStore(weights_dir(config)))
+    return RolloutEngine(policy, open_weight_store(config))
 
 
 class DiffusionReplica:

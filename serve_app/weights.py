@@ -8,6 +8,7 @@ whole or not at all; replicas started later (autoscaling, restarts) find every k
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -45,9 +46,13 @@ class WeightVersion:
 
 
 class WeightStore:
-    def __init__(self, root: str | Path) -> None:
+    """Versions in `root`. With `model` set, every version records the model it was trained from and
+    loading one published for another model fails, instead of silently serving foreign weights."""
+
+    def __init__(self, root: str | Path, *, model: str | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.model = model
 
     def _dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -72,7 +77,7 @@ class WeightStore:
             raise PolicyVersionError(f"version {version} is already published in {self.root}")
         staging = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.root))
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, staging / "weights.safetensors")
-        meta = {"version": version, "kind": kind, "lora": None if lora is None else lora.__dict__}
+        meta = {"version": version, "kind": kind, "model": self.model, "lora": None if lora is None else lora.__dict__}
         (staging / "meta.json").write_text(json.dumps(meta))
         os.rename(staging, target)
         return target
@@ -86,6 +91,12 @@ class WeightStore:
                 + (f", {kept[0]}..{kept[-1]}" if kept else "")
             )
         meta = json.loads((directory / "meta.json").read_text())
+        published_for = meta.get("model")
+        if self.model is not None and published_for is not None and published_for != self.model:
+            raise PolicyVersionError(
+                f"policy version {version} in {self.root} was published for model {published_for!r}, "
+                f"not {self.model!r}; point replica.weights_dir at that model's versions"
+            )
         lora = LoraSpec(**meta["lora"]) if meta["lora"] else None
         return WeightVersion(version, meta["kind"], load_file(directory / "weights.safetensors"), lora)
 
@@ -95,10 +106,24 @@ class WeightStore:
             shutil.rmtree(self._dir(version), ignore_errors=True)
 
 
+def model_identity(config: "RolloutConfig") -> str:
+    """A name for the base checkpoint: the embedded model's name, or a local directory's name and
+    a hash of its absolute path."""
+    if config.model.path is None:
+        return config.model.embedded
+    path = Path(config.model.path).expanduser().resolve()
+    return f"{path.name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
 def weights_dir(config: "RolloutConfig") -> Path:
-    """Where the trainer publishes and replicas read weight versions for this app."""
+    """Where the trainer publishes and replicas read weight versions: per app and base model."""
     if config.replica.weights_dir:
         return Path(config.replica.weights_dir)
     from serve_app.models import flowgrpo_home
 
-    return flowgrpo_home() / "weights" / config.app_name
+    return flowgrpo_home() / "weights" / config.app_name / model_identity(config)
+
+
+def open_weight_store(config: "RolloutConfig") -> WeightStore:
+    """The store the trainer and every replica of this config share."""
+    return WeightStore(weights_dir(config), model=model_identity(config))

@@ -96,3 +96,20 @@ def test_concurrent_rollouts_and_pushes_never_mix_versions(setup):
         t = run(engine, planner, v)
         assert t.policy_version == v
         assert all((t.latents - reference[u]).abs().max() > 1e-3 for u in reference)
+
+
+def test_a_version_published_for_another_model_is_refused(tmp_path):
+    from serve_app.config import load_config
+    from serve_app.weights import model_identity, open_weight_store, weights_dir
+
+    tiny = load_config("diffusion_rollout", [f"replica.weights_dir={tmp_path}"])
+    small = load_config("diffusion_rollout", [f"replica.weights_dir={tmp_path}", "model=small_qwen_image"])
+    open_weight_store(tiny).publish(1, {"x": torch.zeros(1)}, kind="full")
+    with pytest.raises(PolicyVersionError, match="published for model 'tiny-qwen-image'"):
+        open_weight_store(small).load(1)
+    assert open_weight_store(tiny).load(1).version == 1
+    # Without an explicit weights_dir, each base model gets its own folder.
+    default_tiny = load_config("diffusion_rollout")
+    default_small = load_config("diffusion_rollout", ["model=small_qwen_image"])
+    assert weights_dir(default_tiny) != weights_dir(default_small)
+    assert model_identity(load_config("diffusion_rollout", ["model.path=/models/Qwen-Image"])).startswith("Qwen-Image-")

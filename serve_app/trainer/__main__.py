@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(address=args.address, log_to_driver=False)
     client = RolloutClient(config.app_name)
-    client.handle  # fails now, with the deploy hint, when the app is not running
+    _ = client.handle  # fails now, with the deploy hint, when the app is not running
     replica = serve.get_deployment_handle("DiffusionReplica", config.app_name) if config.trainer.prefetch else None
     trainer = FlowGRPOTrainer(config, client, args.out, resume=args.resume, replica_handle=replica)
     trainer.train()

@@ -32,7 +32,7 @@ from serve_app.trainer.config import TrainerRunConfig
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
-from serve_app.weights import WeightStore, weights_dir
+from serve_app.weights import open_weight_store
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,7 +98,7 @@ class FlowGRPOTrainer:
         self.policy = policy if policy is not None else load_trainer_policy(config)
         self.model = TrainableTransformer(self.policy, self.cfg.lora)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        self.store = WeightStore(weights_dir(config))
+        self.store = open_weight_store(config)
         self.sampling: SamplingParams = config.sampling
         self.step = 0  # steps completed
         self.version = 0  # the version the trainer's weights equal (0 = base; a fresh adapter is a no-op)

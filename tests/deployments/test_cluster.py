@@ -148,12 +148,12 @@ def test_app_not_deployed_says_how_to_deploy(cluster):
 def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_pushed_version(cluster, flowgrpo_home):
     from serve_app.client import RolloutClient
     from serve_app.config import load_config
-    from serve_app.weights import LoraSpec, WeightStore, weights_dir
+    from serve_app.weights import LoraSpec, open_weight_store
 
     client = RolloutClient("flowgrpo")
     _wait_for_replicas(1, timeout_s=90)  # earlier tests' load may have scaled it up
     # Push version 1 while only one replica runs: the one autoscaling adds must fetch it itself.
-    store = WeightStore(weights_dir(load_config("diffusion_rollout", OVERRIDES)))
+    store = open_weight_store(load_config("diffusion_rollout", OVERRIDES))
     g = torch.Generator().manual_seed(0)
     store.publish(1, {"proj_out.lora_A.weight": torch.randn(2, 32, generator=g) * 0.3,
                       "proj_out.lora_B.weight": torch.randn(16, 2, generator=g) * 0.3},
