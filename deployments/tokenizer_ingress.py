@@ -104,7 +104,7 @@ class TokenizerIngress:
                 except ValidationError as exc:
                     first = exc.errors()[0]
                     raise InvalidRequestError(first["msg"], ".".join(str(p) for p in first["loc"])) from None
-            # Tokenizing is CPU work; a thread keeps the event loop free (per-thread tokenizer copies).
+            # Tokenizing is CPU work; a thread keeps the event loop free (the processor locks the tokenizer).
             plan = await asyncio.to_thread(self.planner.plan, request)
             chunk_responses = [self.replica.generate.remote(chunk) for chunk in plan.chunks]
             batch = await self.aggregator.collect.remote(plan.prompts, plan.group_size, plan.request_id, *chunk_responses)

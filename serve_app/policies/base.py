@@ -26,28 +26,31 @@ from serve_app.schemas import PromptEmbeds, PromptTokens
 class TextProcessor(abc.ABC):
     """The CPU side of a family: chat template and tokenization, used by the ingress.
 
-    Fast tokenizers keep padding/truncation settings in a Rust object that one thread mutates while
-    another encodes ("RuntimeError: Already borrowed" in tokenizers 0.22). Each thread gets its own
-    deep copy of the tokenizer, so no settings are shared and no lock serializes the encoding.
+    Fast tokenizers keep padding/truncation settings in a Rust object that every call with
+    `truncation=`/`padding=` rewrites; one thread rewriting it while another encodes raised
+    "RuntimeError: Already borrowed" (tokenizers 0.22). A lock per processor serializes the calls:
+    encoding a request's prompts takes about a millisecond, while a per-thread copy of a 150k-token
+    tokenizer costs about a second for every new thread of a pool.
     """
 
     def __init__(self, tokenizers: dict[str, Any]) -> None:
-        self._prototypes = tokenizers
-        self._local = threading.local()
+        self._tokenizers = tokenizers
+        self._lock = threading.Lock()
 
     def _tokenizer(self, name: str) -> Any:
-        per_thread = getattr(self._local, "tokenizers", None)
-        if per_thread is None:
-            per_thread = self._local.tokenizers = {k: copy.deepcopy(v) for k, v in self._prototypes.items()}
-        return per_thread[name]
+        return self._tokenizers[name]
 
     @abc.abstractmethod
     def format(self, prompt: str) -> str:
         """The family's chat / prompt template applied to a user prompt."""
 
-    @abc.abstractmethod
     def tokenize(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        """Template + token ids, one entry per prompt, unpadded where the family allows."""
+        """Template + token ids, one entry per prompt, unpadded where the family allows. Thread-safe."""
+        with self._lock:
+            return self._encode(prompts)
+
+    @abc.abstractmethod
+    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]: ...
 
 
 class DiffusionPolicy(abc.ABC):
@@ -81,8 +84,7 @@ class DiffusionPolicy(abc.ABC):
         """Text encoders and VAE: never trained here."""
 
     def text_processor(self) -> TextProcessor:
-        """The tokenizer side over this pipeline's own tokenizer(s), one per policy: each thread's
-        first use deep-copies the tokenizers (~1 s for a 150k vocabulary)."""
+        """The tokenizer side over this pipeline's own tokenizer(s), one per policy."""
         if self._text_processor is None:
             self._text_processor = self._make_text_processor()
         return self._text_processor

@@ -30,7 +30,7 @@ class QwenImageTextProcessor(TextProcessor):
     def format(self, prompt: str) -> str:
         return PROMPT_TEMPLATE.format(prompt)
 
-    def tokenize(self, prompts: Sequence[str]) -> list[PromptTokens]:
+    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
         tokenizer = self._tokenizer("tokenizer")
         encoded = tokenizer(
             [self.format(p) for p in prompts],

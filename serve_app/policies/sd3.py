@@ -57,14 +57,14 @@ class SD3TextProcessor(TextProcessor):
     def format(self, prompt: str) -> str:
         return prompt  # SD3 has no prompt template
 
-    def tokenize(self, prompts: Sequence[str]) -> list[PromptTokens]:
+    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
         texts = [self.format(p) for p in prompts]
         ids: dict[str, torch.Tensor] = {}
         for slot in CLIP_SLOTS:  # _get_clip_prompt_embeds
             ids[slot] = self._tokenizer(slot)(
                 texts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
             ).input_ids
-        if T5_SLOT in self._prototypes:  # _get_t5_prompt_embeds
+        if T5_SLOT in self._tokenizers:  # _get_t5_prompt_embeds
             ids[T5_SLOT] = self._tokenizer(T5_SLOT)(
                 texts,
                 padding="max_length",

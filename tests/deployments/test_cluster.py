@@ -186,3 +186,33 @@ def _wait_for_replicas(count: int, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _running_replicas() != count:
         time.sleep(0.5)
+
+
+def test_backpressure_gives_503_with_a_message(cluster):
+    """A second app whose single replica queues at most one chunk: a burst gets 503s, the rest succeed."""
+    from ray import serve
+
+    from serve_app.app import AppArgs, build_app
+
+    tight = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.autoscaling.m"))] + [
+        "app_name=flowgrpo-tight",
+        "replica.max_ongoing_requests=1",
+        "replica.max_batch_size=1",
+        "replica.max_queued_requests=1",
+        "replica.autoscaling.min_replicas=1",
+        "replica.autoscaling.max_replicas=1",
+    ]
+    serve.run(build_app(AppArgs(overrides=tight)), name="flowgrpo-tight", route_prefix="/tight")
+    try:
+        def call(i: int) -> httpx.Response:
+            body = {"prompts": [f"burst {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 8, "sde_window_range": [0, 5]}}
+            return httpx.post(f"{BASE}/tight/v1/rollouts", json=body, timeout=300)
+
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(call, range(12)))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 1, codes
+        rejected = next(r for r in responses if r.status_code == 503).json()
+        assert rejected["error"] == "overloaded" and "retry" in rejected["message"]
+    finally:
+        serve.delete("flowgrpo-tight")
