@@ -17,6 +17,7 @@ import os
 import pickle
 import platform
 import statistics
+import sys
 import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -103,6 +104,10 @@ def main() -> None:
     from serve_app.client import RolloutClient
 
     env = {k: os.environ[k] for k in ("FLOWGRPO_HOME", "HF_HUB_OFFLINE") if k in os.environ}
+    # Ray writes a few shutdown lines to fd 1; send them to stderr so stdout stays pure JSON.
+    sys.stdout.flush()
+    stdout_fd = os.dup(1)
+    os.dup2(2, 1)
     # log_to_driver=False: the workers' logs would otherwise interleave with the JSON on stdout.
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env})
@@ -122,6 +127,8 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+        sys.stdout.flush()
+        os.dup2(stdout_fd, 1)
 
     throughput_ratio = [a / b for a, b in zip(local_s, served_s)]  # served images/s over in-process images/s
     overhead_ms = [(b - a) * 1000 for a, b in zip(local_s, served_s)]
