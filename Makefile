@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 # A FlowGRPO run (~3-5 min at ~3 s/step on 2 idle cores) on CPU against the app deployed on a local Ray cluster (loopback only);
 # `make demo STEPS=60` trains longer, `make demo OUT=outputs/mine` picks the output folder.

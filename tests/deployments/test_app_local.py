@@ -22,9 +22,9 @@ def handle(flowgrpo_home):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
         app = build_app(AppArgs(config="diffusion_rollout", overrides=OVERRIDES))
-        h = serve.run(app, name="flowgrpo-local", _local_testing_mode=True)
-        yield h
-        serve.shutdown()
+        # Local testing mode runs in this process and ends with it. No serve.shutdown() here: with no
+        # Ray initialized it would connect to (and so start) a Ray instance.
+        yield serve.run(app, name="flowgrpo-local", _local_testing_mode=True)
 
 
 def test_rollout_by_handle_returns_whole_groups(handle):

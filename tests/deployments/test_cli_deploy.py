@@ -1,9 +1,12 @@
 """`serve deploy serve_config.yaml` + `serve status` from the CLI, against `ray start --head` on loopback."""
 
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +26,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _dashboard_up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/api/ray/version", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _run(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -37,12 +47,20 @@ def head_node(flowgrpo_home, tmp_path_factory):
         "RAY_AUTH_MODE": "disabled",
         "RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
     }
-    started = _run(
-        str(BIN / "ray"), "start", "--head", "--num-cpus", "2", "--port", str(gcs_port),
-        "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dashboard_port), "--disable-usage-stats", env=env,
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths must fit 107 chars
+    # `ray start --block` in its own session: killing that process group stops exactly this cluster,
+    # where `ray stop` would stop every Ray cluster on the machine (and this test process's, if any).
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "2", "--port", str(gcs_port),
+         "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
+         "--dashboard-port", str(dashboard_port), "--disable-usage-stats",
+         "--temp-dir", ray_tmp],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    assert started.returncode == 0, started.stderr[-2000:]
+    deadline = time.monotonic() + 120
+    while not _dashboard_up(dashboard_port):  # serve deploy talks to the dashboard's REST API
+        assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+        time.sleep(1)
     # The repo's serve_config.yaml, on a free HTTP port so it cannot collide with anything running.
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
@@ -51,7 +69,13 @@ def head_node(flowgrpo_home, tmp_path_factory):
     try:
         yield env, f"http://127.0.0.1:{dashboard_port}", config_file, http_port
     finally:
-        _run(str(BIN / "ray"), "stop", "--force", env=env)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_serve_deploy_reaches_running_and_serves(head_node):
