@@ -37,12 +37,11 @@ def _summary(samples: list[float]) -> dict[str, float]:
 def in_process_runner(config):
     from serve_app.assembler import TrajectoryAssembler
     from serve_app.engine import RolloutEngine
-    from serve_app.models import ensure_embedded_model
     from serve_app.planner import RolloutPlanner
-    from serve_app.policies import load_policy
+    from serve_app.policies import load_configured_policy
     from serve_app.rewards import CompositeReward
 
-    policy = load_policy(ensure_embedded_model(config.model.embedded))
+    policy = load_configured_policy(config.model)
     planner = RolloutPlanner(policy.text_processor(), config.ingress, config.sampling)
     engine = RolloutEngine(policy)
     assembler = TrajectoryAssembler(CompositeReward(config.reward.components), config.aggregator.advantage)

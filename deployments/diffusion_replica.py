@@ -16,23 +16,15 @@ from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def load_engine(config: RolloutConfig) -> RolloutEngine:
     """Load the configured policy on this process's device, with the weight store the trainer publishes to."""
-    from serve_app.models import ensure_embedded_model
-    from serve_app.policies import load_policy
+    from serve_app.policies import load_configured_policy
 
-    model = config.model
     if config.replica.backend == "vllm_omni":
         from serve_app.backends import require_vllm_omni
 
         require_vllm_omni()
-    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    path = model.path or ensure_embedded_model(model.embedded)
-    policy = load_policy(path, family=model.family, device=device, dtype=_DTYPES[model.dtype])
-    return RolloutEngine(policy, open_weight_store(config))
+    return RolloutEngine(load_configured_policy(config.model), open_weight_store(config))
 
 
 class DiffusionReplica:

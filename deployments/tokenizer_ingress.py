@@ -75,12 +75,10 @@ def to_response(batch: TrajectoryBatch, *, return_images: bool) -> RolloutRespon
 @serve.ingress(api)
 class TokenizerIngress:
     def __init__(self, replica: DeploymentHandle, aggregator: DeploymentHandle, config: RolloutConfig) -> None:
-        from serve_app.models import ensure_embedded_model
-        from serve_app.policies import load_text_processor
+        from serve_app.policies import load_text_processor, model_dir
 
-        path = config.model.path or ensure_embedded_model(config.model.embedded)
         self.planner = RolloutPlanner(
-            load_text_processor(path, family=config.model.family), config.ingress, config.sampling
+            load_text_processor(model_dir(config.model), family=config.model.family), config.ingress, config.sampling
         )
         self.replica = replica
         self.aggregator = aggregator

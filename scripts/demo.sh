@@ -19,7 +19,9 @@ PORT=$(free_port)
 DASHBOARD_PORT=$(free_port)
 SERVE_ADDR=http://127.0.0.1:$DASHBOARD_PORT
 # Our own temp dir, so `ray stop` and the trainer's address="auto" only ever see this cluster.
-export RAY_TMPDIR=${RAY_TMPDIR:-$(mktemp -d /tmp/flowgrpo-ray.XXXXXX)}
+OWN_TMPDIR=
+if [ -z "${RAY_TMPDIR:-}" ]; then RAY_TMPDIR=$(mktemp -d /tmp/flowgrpo-ray.XXXXXX); OWN_TMPDIR=$RAY_TMPDIR; fi
+export RAY_TMPDIR
 RAY_PID=
 cleanup() {
   # `ray start --block` stops exactly the processes it started when signalled; unlike a bare
@@ -29,6 +31,7 @@ cleanup() {
     kill -TERM "$RAY_PID" 2>/dev/null || true
     wait "$RAY_PID" 2>/dev/null || true
   fi
+  if [ -n "$OWN_TMPDIR" ]; then rm -rf "$OWN_TMPDIR"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM

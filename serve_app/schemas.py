@@ -8,7 +8,7 @@ deployments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -185,19 +185,6 @@ class Trajectory:
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
 
-    def nbytes(self) -> int:
-        """Bytes of tensor payload (what crosses the wire between deployments)."""
-        total = 0
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-            elif isinstance(value, PromptEmbeds):
-                for t in (value.embeds, value.mask, value.pooled):
-                    if t is not None:
-                        total += t.numel() * t.element_size()
-        return total
-
 
 @dataclass
 class TrajectoryBatch:
@@ -260,5 +247,3 @@ class RolloutResponse(BaseModel):
     samples: list[SampleOut]
     metrics: dict[str, float]
 
-
-ErrorKind = Literal["invalid_request", "too_large", "overloaded", "version", "reward", "internal"]

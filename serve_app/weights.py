@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,11 +98,6 @@ class WeightStore:
             )
         lora = LoraSpec(**meta["lora"]) if meta["lora"] else None
         return WeightVersion(version, meta["kind"], load_file(directory / "weights.safetensors"), lora)
-
-    def prune(self, keep_last: int) -> None:
-        """Drop all but the newest `keep_last` versions (pinned old requests then fail loudly)."""
-        for version in self.versions()[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(self._dir(version), ignore_errors=True)
 
 
 def model_identity(config: "RolloutConfig") -> str:

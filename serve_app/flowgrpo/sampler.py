@@ -113,10 +113,6 @@ def denoise(
     return DenoiseResult(latents, window, logp.float())
 
 
-def check_params(policy: DiffusionPolicy, params: SamplingParams) -> None:
-    policy.check_size(params.height, params.width)
-
-
 def initial_latents(policy: DiffusionPolicy, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """x_1 ~ N(0, I) per sample from its own generator (the first draw of its stream)."""
     shape = (len(generators), *policy.latent_shape(params.height, params.width))
@@ -139,7 +135,7 @@ def rollout(
     prompt_index / sample_index [B] say where each sample belongs in its request (kept, not used).
     """
     # 1. Check inputs
-    check_params(policy, params)
+    policy.check_size(params.height, params.width)
     batch_shape = (conditioning.embed_row.shape[0],)
     for name, t in (("seeds", seeds), ("prompt_index", prompt_index), ("sample_index", sample_index)):
         if t.shape != batch_shape:

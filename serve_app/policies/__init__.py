@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from serve_app.config import ModelConfig
 from serve_app.policies.base import DiffusionPolicy, TextProcessor, images_to_uint8
 
 __all__ = [
@@ -18,7 +19,11 @@ __all__ = [
     "detect_family",
     "load_policy",
     "load_text_processor",
+    "model_dir",
+    "load_configured_policy",
 ]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 SUPPORTED_FAMILIES = ("qwen_image", "sd3")
 
@@ -84,3 +89,18 @@ def _checked_family(local_dir: str | Path, family: str | None) -> str:
             f"but family {family!r} was asked for"
         )
     return found
+
+
+def model_dir(model: ModelConfig) -> Path:
+    """The pipeline directory a model config names: its local path, or the embedded checkpoint (built once)."""
+    if model.path is not None:
+        return Path(model.path).expanduser()
+    from serve_app.models import ensure_embedded_model
+
+    return ensure_embedded_model(model.embedded)
+
+
+def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
+    """What the replicas and the trainer both load, so their weights at version 0 are the same."""
+    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_policy(model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype])

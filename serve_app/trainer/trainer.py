@@ -34,9 +34,6 @@ from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
 from serve_app.weights import open_weight_store
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class TrainingDivergedError(RuntimeError):
     """A non-finite loss or gradient: training stops before the weights or the checkpoint change."""
 
@@ -52,13 +49,9 @@ class RolloutSource(Protocol):
 
 def load_trainer_policy(config: TrainerRunConfig) -> DiffusionPolicy:
     """The same checkpoint the app's replicas load (config.model), on this process's device."""
-    from serve_app.models import ensure_embedded_model
-    from serve_app.policies import load_policy
+    from serve_app.policies import load_configured_policy
 
-    model = config.model
-    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    path = model.path or ensure_embedded_model(model.embedded)
-    return load_policy(path, family=model.family, device=device, dtype=_DTYPES[model.dtype])
+    return load_configured_policy(config.model)
 
 
 @dataclass
