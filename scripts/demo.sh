@@ -47,11 +47,16 @@ echo "demo: starting Ray on 127.0.0.1:$PORT"
   >"$RAY_TMPDIR/ray-start.log" 2>&1 &
 RAY_PID=$!
 export RAY_ADDRESS=127.0.0.1:$PORT
-for _ in $(seq 1 60); do
-  "$BIN/ray" status --address "$RAY_ADDRESS" >/dev/null 2>&1 && break
+# `serve deploy` talks to the dashboard's REST API, which comes up after the GCS: wait for it.
+dashboard_up() {
+  "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$SERVE_ADDR/api/ray/version" 2>/dev/null
+}
+for _ in $(seq 1 120); do
+  dashboard_up && break
   kill -0 "$RAY_PID" 2>/dev/null || { cat "$RAY_TMPDIR/ray-start.log"; exit 1; }
-  sleep 2
+  sleep 1
 done
+dashboard_up || { echo "demo: the Ray dashboard did not come up"; cat "$RAY_TMPDIR/ray-start.log"; exit 1; }
 
 echo "demo: deploying serve_config.yaml"
 "$BIN/serve" deploy --address "$SERVE_ADDR" serve_config.yaml
