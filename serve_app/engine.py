@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.errors import PolicyVersionError
-from serve_app.flowgrpo.sampler import Conditioning, rollout
+from serve_app.flowgrpo.sampler import encode_conditioning, rollout
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.schemas import PromptEmbeds, PromptTokens, RolloutChunk, SamplingParams, Trajectory
+from serve_app.schemas import PromptEmbeds, RolloutChunk, Trajectory
 from serve_app.weights import WeightStore, WeightVersion
 
 
@@ -54,11 +54,6 @@ class PolicyVersions:
             self._apply(transformer, self.store.load(version))
         self.current = version
 
-    def apply(self, weights: WeightVersion) -> None:
-        """Install an already loaded version (the trainer's in-process path)."""
-        self._apply(self.policy.transformer, weights)
-        self.current = weights.version
-
     def _to_base(self, transformer: torch.nn.Module) -> None:
         if getattr(transformer, "peft_config", None):
             transformer.disable_adapters()
@@ -71,19 +66,11 @@ class PolicyVersions:
                 self._base_state = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
             transformer.load_state_dict(weights.tensors)
             return
-        from peft import LoraConfig, set_peft_model_state_dict
+        from peft import set_peft_model_state_dict
 
         assert weights.lora is not None
         if self.ADAPTER not in (getattr(transformer, "peft_config", None) or {}):
-            transformer.add_adapter(
-                LoraConfig(
-                    r=weights.lora.rank,
-                    lora_alpha=weights.lora.alpha,
-                    target_modules=weights.lora.target_modules,
-                    init_lora_weights=True,
-                ),
-                adapter_name=self.ADAPTER,
-            )
+            transformer.add_adapter(weights.lora.peft_config(), adapter_name=self.ADAPTER)
         result = set_peft_model_state_dict(transformer, weights.tensors, adapter_name=self.ADAPTER)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"LoRA tensors of version {weights.version} do not fit: {result.unexpected_keys[:3]}")
@@ -98,8 +85,6 @@ class RolloutEngine:
         self.policy = policy
         self.versions = PolicyVersions(policy, store)
         self._lock = threading.Lock()
-        self._text = policy.text_processor()
-        self._negative_cache: dict[str, PromptTokens] = {}
 
     def generate(self, chunks: Sequence[RolloutChunk]) -> tuple[list[Trajectory], list[BatchStats]]:
         """One trajectory per chunk, in order. Chunks that can share a batch (same params, window and
@@ -132,16 +117,17 @@ class RolloutEngine:
     def _run(self, chunks: list[RolloutChunk], version: int, stats: list[BatchStats]) -> list[Trajectory]:
         params = chunks[0].sampling
         started = time.perf_counter()
-        # 1. Encode each chunk's distinct prompts once (rows offset per chunk).
-        all_prompts = [p for c in chunks for p in c.prompts]
-        embeds = self.policy.encode_prompts(all_prompts)
+        # 1. Encode each chunk's distinct prompts once (rows offset per chunk), and the negative once.
         offsets = torch.tensor([0] + [len(c.prompts) for c in chunks[:-1]]).cumsum(0)
         embed_row = torch.cat([c.prompt_slot + off for c, off in zip(chunks, offsets.tolist())])
-        negative = self._negative(chunks[0], params)
+        conditioning = encode_conditioning(
+            self.policy, [p for c in chunks for p in c.prompts], embed_row.to(self.policy.device),
+            chunks[0].negative_prompt, params,
+        )
         # 2. Sample the fused batch.
         fused = rollout(
             self.policy,
-            Conditioning(embeds, embed_row.to(self.policy.device), negative),
+            conditioning,
             torch.cat([c.seeds for c in chunks]),
             params,
             window_start=chunks[0].window_start,
@@ -159,16 +145,6 @@ class RolloutEngine:
             out.append(_slice(fused, rows, embeds_for_chunk=fused.prompt_embeds.select(prompt_rows), embed_row=chunk.prompt_slot))
             start += len(chunk)
         return out
-
-    def _negative(self, chunk: RolloutChunk, params: SamplingParams) -> PromptEmbeds | None:
-        if params.guidance_scale <= 1.0:
-            return None
-        tokens = chunk.negative_prompt
-        if tokens is None:
-            tokens = self._negative_cache.get(params.negative_prompt)
-            if tokens is None:
-                tokens = self._negative_cache[params.negative_prompt] = self._text.tokenize([params.negative_prompt])[0]
-        return self.policy.encode_prompts([tokens])
 
 
 def _slice(t: Trajectory, rows: slice, *, embeds_for_chunk: PromptEmbeds, embed_row: torch.Tensor) -> Trajectory:

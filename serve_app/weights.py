@@ -22,6 +22,8 @@ from safetensors.torch import load_file, save_file
 from serve_app.errors import PolicyVersionError
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+
     from serve_app.config import RolloutConfig
 
 WeightKind = Literal["lora", "full"]
@@ -34,6 +36,13 @@ class LoraSpec:
     rank: int
     alpha: float
     target_modules: list[str] = field(default_factory=list)
+
+    def peft_config(self) -> LoraConfig:
+        """The one LoraConfig both the trainer and the replicas build, so their adapters match key for key.
+        peft's default init sets B = 0: a fresh adapter is a no-op."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules), init_lora_weights=True)
 
 
 @dataclass(frozen=True)

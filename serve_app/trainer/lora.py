@@ -32,17 +32,7 @@ class TrainableTransformer:
         transformer.requires_grad_(False)
         self._reference: torch.nn.Module | None = None
         if lora.enabled:
-            from peft import LoraConfig
-
-            transformer.add_adapter(
-                LoraConfig(
-                    r=lora.rank,
-                    lora_alpha=lora.alpha,
-                    target_modules=list(lora.target_modules),
-                    init_lora_weights=True,
-                ),
-                adapter_name=ADAPTER,
-            )
+            transformer.add_adapter(self.spec.peft_config(), adapter_name=ADAPTER)
             transformer.set_adapter(ADAPTER)
         else:
             self._reference = copy.deepcopy(transformer).eval()
