@@ -12,6 +12,9 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from transformers import AutoTokenizer
 
+# diffusers loads a component class from a non-diffusers module only once that module is imported;
+# the shapes-world checkpoint's model_index.json names this pixel-space VAE.
+from serve_app.models import pixel_vae  # noqa: F401
 from serve_app.policies.base import DiffusionPolicy, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
@@ -88,6 +91,10 @@ class QwenImagePolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        return self.embed_prompts(prompts)
+
+    def embed_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        """encode_prompts with autograd on: pretraining trains the text encoder through it."""
         ids = [p.token_ids["tokenizer"] for p in prompts]
         lengths = torch.tensor([len(x) for x in ids])
         if int(lengths.min()) <= TEMPLATE_PREFIX_TOKENS:
@@ -126,6 +133,21 @@ class QwenImagePolicy(DiffusionPolicy):
             img_shapes=[[grid]] * latents.shape[0],
             return_dict=False,
         )[0]
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] in [0, 1] -> packed latents [B, tokens, channels]; decode's inverse
+        (exactly so for a pixel-space VAE). Uses the VAE posterior's mode."""
+        pipe, vae = self.pipeline, self.pipeline.vae
+        height, width = images.shape[-2:]
+        self.check_size(height, width)
+        pixels = (images.to(self.device, vae.dtype) * 2.0 - 1.0).unsqueeze(2)  # the pipeline's [-1, 1]
+        latents = vae.encode(pixels).latent_dist.mode()
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
+        latents = ((latents - mean) / std)[:, :, 0]
+        return pipe._pack_latents(latents, latents.shape[0], vae.config.z_dim, latents.shape[-2], latents.shape[-1])
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:

@@ -1,0 +1,182 @@
+"""The shapes-world model: a small QwenImagePipeline in pixel space, built untrained, then pretrained.
+
+Components, all loaded by the stock ``QwenImagePipeline.from_pretrained`` and our QwenImagePolicy:
+
+* ``vae``: :class:`~serve_app.models.pixel_vae.PixelPatchVAE` - 32x32 RGB folded into 12 channels
+  at 16x16, no weights; the pipeline's own 2x2 packing makes 8x8 = 64 image tokens of 48 values.
+* ``tokenizer``: word level over Qwen2's own pieces. The Qwen2 pre-tokenizer and byte-level
+  alphabet, but a vocabulary of only the pieces the prompt template and the shapes grammar use
+  (each is one Qwen2 token, checked at build time, so the template prefix stays the 34 tokens the
+  pipeline drops). Other words map to ``<unk>``. This keeps the text encoder's embedding at a few
+  dozen rows instead of Qwen2.5-VL's 152,064.
+* ``text_encoder``: a 1-layer Qwen2.5-VL (its vision tower is never run but the class needs one).
+* ``transformer``: QwenImageTransformer2DModel, a few MMDiT blocks.
+* ``scheduler``: Qwen-Image's FlowMatchEulerDiscreteScheduler config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+from tokenizers import Tokenizer, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from serve_app.models.pixel_vae import PixelPatchVAE
+from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
+
+__all__ = ["ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
+
+UNK_TOKEN = "<unk>"
+_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class ShapesModelSpec:
+    """Architecture of the shapes-world pipeline (configs/shapes/pretrain.yaml `model:`)."""
+
+    vae_patch_size: int = 2
+    layers: int = 4
+    heads: int = 4
+    head_dim: int = 32
+    rope_axes: tuple[int, int, int] = (8, 12, 12)  # (frame, height, width); sums to head_dim
+    text_dim: int = 64  # Qwen2.5-VL hidden size == the transformer's joint_attention_dim
+    text_layers: int = 1
+    text_heads: int = 4
+    text_mrope: tuple[int, int, int] = (2, 3, 3)  # sums to text head_dim / 2
+    extra_words: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _vocabulary_texts() -> list[str]:
+    from serve_app.policies.qwen_image import PROMPT_TEMPLATE
+    from serve_app.shapes.scene import all_prompts
+
+    prompts = all_prompts() + [p.replace("a ", "one ", 1) for p in all_prompts() if p.startswith("a ")]
+    return [PROMPT_TEMPLATE.format(p) for p in [*prompts, " ", ""]]
+
+
+def build_shapes_tokenizer(qwen2_dir: Path, out_dir: Path) -> Path:
+    """A word-level tokenizer over the Qwen2 pieces the template and the shapes grammar use."""
+    qwen = AutoTokenizer.from_pretrained(str(qwen2_dir), local_files_only=True)
+    backend = qwen.backend_tokenizer
+    pieces: dict[str, None] = {}
+    for text in _vocabulary_texts():
+        ids = qwen(text)["input_ids"]
+        for token in qwen.convert_ids_to_tokens(ids):
+            if token not in _SPECIAL_TOKENS:
+                pieces[token] = None
+    # Every pre-token must be a single Qwen2 token; otherwise word-level ids would not line up
+    # with Qwen2's and the template prefix would not be 34 tokens long.
+    for text in _vocabulary_texts():
+        normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
+        splits = [s for chunk in _split_specials(normalized) for s, _ in backend.pre_tokenizer.pre_tokenize_str(chunk)]
+        missing = [s for s in splits if s not in pieces]
+        if missing:
+            raise RuntimeError(f"pre-tokens {missing} of {text!r} are not single Qwen2 tokens")
+    vocab = {t: i for i, t in enumerate([*_SPECIAL_TOKENS, UNK_TOKEN, *pieces])}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    word_level.normalizer = backend.normalizer
+    word_level.pre_tokenizer = backend.pre_tokenizer
+    word_level.decoder = backend.decoder
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        unk_token=UNK_TOKEN,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(_SPECIAL_TOKENS[1:]),
+        model_max_length=1024,
+    )
+    out_dir = Path(out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _split_specials(text: str) -> list[str]:
+    """The text between special tokens (which the tokenizer matches before pre-tokenizing)."""
+    chunks = [text]
+    for special in _SPECIAL_TOKENS:
+        chunks = [part for chunk in chunks for part in chunk.split(special)]
+    return [c for c in chunks if c]
+
+
+def _text_encoder(spec: ShapesModelSpec, vocab_size: int, pad_id: int, eos_id: int) -> Qwen2_5_VLForConditionalGeneration:
+    head_dim = spec.text_dim // spec.text_heads
+    if 2 * sum(spec.text_mrope) != head_dim:
+        raise ValueError(f"text_mrope {spec.text_mrope} must sum to text head_dim / 2 = {head_dim // 2}")
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": spec.text_dim,
+            "intermediate_size": 2 * spec.text_dim,
+            "num_hidden_layers": spec.text_layers,
+            "num_attention_heads": spec.text_heads,
+            "num_key_value_heads": spec.text_heads,
+            "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": list(spec.text_mrope)},
+            "bos_token_id": pad_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": spec.text_dim,
+            "fullatt_block_indexes": [0],
+        },
+        tie_word_embeddings=True,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: Path, seed: int = 0) -> QwenImagePipeline:
+    """Builds the untrained pipeline (fixed seed), saves it to ``out_dir`` and returns it."""
+    if sum(spec.rope_axes) != spec.head_dim:
+        raise ValueError(f"rope_axes {spec.rope_axes} must sum to head_dim {spec.head_dim}")
+    out_dir = Path(out_dir)
+    tokenizer_dir = build_shapes_tokenizer(qwen2_dir, out_dir / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    z_dim = 3 * spec.vae_patch_size**2
+    with torch.device("cpu"):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * z_dim,
+            out_channels=z_dim,
+            num_layers=spec.layers,
+            attention_head_dim=spec.head_dim,
+            num_attention_heads=spec.heads,
+            joint_attention_dim=spec.text_dim,
+            guidance_embeds=False,
+            axes_dims_rope=spec.rope_axes,
+        )
+        torch.manual_seed(seed + 1)
+        text_encoder = _text_encoder(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        vae=PixelPatchVAE(patch_size=spec.vae_patch_size),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    save_shapes_pipeline(pipe, out_dir)
+    return pipe
+
+
+def save_shapes_pipeline(pipe: QwenImagePipeline, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
+    """save_pretrained, with model_index.json naming the pixel VAE by its importable module."""
+    out_dir = Path(out_dir)
+    if dtype is not None:
+        for module in (pipe.transformer, pipe.text_encoder):
+            module.to(dtype)
+    pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    index_file = out_dir / "model_index.json"
+    index = json.loads(index_file.read_text())
+    # save_pretrained records the top-level package ("serve_app"); diffusers imports the library
+    # name and looks the class up in it, so it needs the module that defines the class.
+    index["vae"] = [PixelPatchVAE.__module__, PixelPatchVAE.__name__]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
