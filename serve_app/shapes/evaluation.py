@@ -1,0 +1,95 @@
+"""Shapes-world evaluation: a fixed prompt x seed set, accuracies from the checker, labelled grids.
+
+The same numbers come from three places - pretraining, the FlowGRPO trainer (through the deployed
+app) and benchmarks/bench_learning.py (in process) - so they are computed here, once.
+
+    accuracies = score_images(images, prompts)   # {"strict_accuracy": ..., "partial_score": ..., ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checker import Verdict, check
+from .scene import parse_prompt, split_prompts
+
+EVAL_COLUMNS = ("strict_accuracy", "partial_score", "count_accuracy", "colour_accuracy", "shape_accuracy")
+
+
+def eval_prompts(split: str = "held_out") -> list[str]:
+    """The prompts of a split of the grammar ("train", "held_out" or "all"), in a fixed order."""
+    train, held_out = split_prompts()
+    if split == "train":
+        return train
+    if split == "held_out":
+        return held_out
+    if split == "all":
+        return train + held_out
+    raise ValueError(f"unknown split {split!r}; known: train, held_out, all")
+
+
+def verdicts(images: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> list[Verdict]:
+    """One checker verdict per uint8 [3, H, W] image of ``images`` [N, 3, H, W]."""
+    arrays = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+    if len(arrays) != len(prompts):
+        raise ValueError(f"{len(arrays)} images for {len(prompts)} prompts")
+    return [check(a, parse_prompt(p)) for a, p in zip(arrays, prompts)]
+
+
+def summarize(found: Sequence[Verdict]) -> dict[str, float]:
+    """Mean strict accuracy, partial score and sub-score accuracies over verdicts."""
+    if not found:
+        raise ValueError("no verdicts to summarise")
+    n = len(found)
+    return {
+        "strict_accuracy": sum(v.strict for v in found) / n,
+        "partial_score": sum(v.partial for v in found) / n,
+        "count_accuracy": sum(v.count_ok for v in found) / n,
+        "colour_accuracy": sum(v.colour_ok for v in found) / n,
+        "shape_accuracy": sum(v.shape_ok for v in found) / n,
+    }
+
+
+def score_images(images: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, float]:
+    return summarize(verdicts(images, prompts))
+
+
+def verdict_label(verdict: Verdict) -> str:
+    """A short caption: 'OK', or which sub-scores failed and what was detected."""
+    if verdict.strict:
+        return "OK"
+    wrong = [name for name, ok in (("count", verdict.count_ok), ("colour", verdict.colour_ok),
+                                   ("shape", verdict.shape_ok)) if not ok] or ["binding"]
+    seen = ", ".join(f"{d.colour} {d.shape}" for d in verdict.detected) or "nothing"
+    return f"x {'/'.join(wrong)}: {seen}"
+
+
+def save_labelled_grid(images: torch.Tensor | np.ndarray, prompts: Sequence[str], path: str | Path, *,
+                       columns: int, title: str = "") -> Path:
+    """A grid of images, each captioned with its prompt and the checker's verdict (green OK, red not)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arrays = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+    found = verdicts(arrays, prompts)
+    rows = -(-len(arrays) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.9 * columns, 2.15 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, prompt, verdict in zip(axes.flat, arrays, prompts, found):
+        ax.imshow(image.transpose(1, 2, 0), interpolation="nearest")
+        ax.set_title(f"{prompt}\n{verdict_label(verdict)}", fontsize=5.5,
+                     color="darkgreen" if verdict.strict else "darkred")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
