@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
 from tokenizers import Tokenizer, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from serve_app.models.pixel_vae import PixelPatchVAE
-from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
+from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder
 
 __all__ = ["ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
 
@@ -102,37 +102,6 @@ def _split_specials(text: str) -> list[str]:
     return [c for c in chunks if c]
 
 
-def _text_encoder(spec: ShapesModelSpec, vocab_size: int, pad_id: int, eos_id: int) -> Qwen2_5_VLForConditionalGeneration:
-    head_dim = spec.text_dim // spec.text_heads
-    if 2 * sum(spec.text_mrope) != head_dim:
-        raise ValueError(f"text_mrope {spec.text_mrope} must sum to text head_dim / 2 = {head_dim // 2}")
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": spec.text_dim,
-            "intermediate_size": 2 * spec.text_dim,
-            "num_hidden_layers": spec.text_layers,
-            "num_attention_heads": spec.text_heads,
-            "num_key_value_heads": spec.text_heads,
-            "max_position_embeddings": 256,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": list(spec.text_mrope)},
-            "bos_token_id": pad_id,
-            "eos_token_id": eos_id,
-            "pad_token_id": pad_id,
-        },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": spec.text_dim,
-            "fullatt_block_indexes": [0],
-        },
-        tie_word_embeddings=True,
-    )
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
 def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: Path, seed: int = 0) -> QwenImagePipeline:
     """Builds the untrained pipeline (fixed seed), saves it to ``out_dir`` and returns it."""
     if sum(spec.rope_axes) != spec.head_dim:
@@ -155,7 +124,11 @@ def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: 
             axes_dims_rope=spec.rope_axes,
         )
         torch.manual_seed(seed + 1)
-        text_encoder = _text_encoder(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+        text_encoder = qwen25vl_text_encoder(
+            vocab_size=len(tokenizer), hidden_size=spec.text_dim, layers=spec.text_layers, heads=spec.text_heads,
+            mrope_section=spec.text_mrope, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+            bos_id=tokenizer.pad_token_id, max_positions=256, rope_theta=10_000.0,
+        )
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
         vae=PixelPatchVAE(patch_size=spec.vae_patch_size),

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForCondition
 
 from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
 
-__all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size"]
+__all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder"]
 
 QwenImageSize = Literal["tiny", "small"]
 
@@ -141,27 +141,36 @@ def _vae(spec: _Spec) -> AutoencoderKLQwenImage:
     )
 
 
-def _text_encoder(spec: _Spec) -> Qwen2_5_VLForConditionalGeneration:
-    head_dim = spec.text_dim // spec.text_heads
-    if 2 * sum(spec.text_mrope) != head_dim:
-        raise ValueError(f"mrope sections {spec.text_mrope} do not cover head_dim {head_dim}")
+def qwen25vl_text_encoder(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    layers: int,
+    heads: int,
+    mrope_section: tuple[int, int, int],
+    pad_id: int,
+    eos_id: int,
+    bos_id: int,
+    max_positions: int = 2048,
+    rope_theta: float = 1_000_000.0,
+) -> Qwen2_5_VLForConditionalGeneration:
+    """A small Qwen2.5-VL text model (QwenImagePipeline's text encoder class), with a minimal vision tower."""
+    head_dim = hidden_size // heads
+    if 2 * sum(mrope_section) != head_dim:
+        raise ValueError(f"mrope sections {mrope_section} do not cover head_dim {head_dim}")
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": _TEXT_VOCAB_SIZE,
-            "hidden_size": spec.text_dim,
-            "intermediate_size": 2 * spec.text_dim,
-            "num_hidden_layers": spec.text_layers,
-            "num_attention_heads": spec.text_heads,
-            "num_key_value_heads": spec.text_heads,
-            "max_position_embeddings": 2048,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1_000_000.0,
-                "mrope_section": list(spec.text_mrope),
-            },
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
-            "pad_token_id": 151643,
+            "vocab_size": vocab_size,
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": max_positions,
+            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, "mrope_section": list(mrope_section)},
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id,
         },
         # The vision tower is never run by QwenImagePipeline but the class requires one.
         vision_config={
@@ -169,13 +178,20 @@ def _text_encoder(spec: _Spec) -> Qwen2_5_VLForConditionalGeneration:
             "hidden_size": 16,
             "intermediate_size": 16,
             "num_heads": 2,
-            "out_hidden_size": spec.text_dim,
+            "out_hidden_size": hidden_size,
             "fullatt_block_indexes": [0],
         },
-        # Sharing the 152064-row table with lm_head halves the checkpoint.
+        # Sharing the embedding table with lm_head halves the checkpoint.
         tie_word_embeddings=True,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def _text_encoder(spec: _Spec) -> Qwen2_5_VLForConditionalGeneration:
+    return qwen25vl_text_encoder(
+        vocab_size=_TEXT_VOCAB_SIZE, hidden_size=spec.text_dim, layers=spec.text_layers, heads=spec.text_heads,
+        mrope_section=spec.text_mrope, pad_id=151643, eos_id=151645, bos_id=151643,
+    )
 
 
 def build_tiny_qwen_image(
