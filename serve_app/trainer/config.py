@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from serve_app.config import RolloutConfig, _Section, load_config
@@ -28,6 +30,21 @@ class LoraSection(_Section):
     )
 
 
+class EvaluationSection(_Section):
+    """What the ODE evaluations every `trainer.eval_every` steps measure (rows of eval.csv)."""
+
+    kind: Literal["reward", "shapes"] = Field(
+        "reward",
+        description="reward: mean configured reward; shapes: the shapes-world checker's accuracies "
+        "(strict, partial, count, colour, shape) with labelled grids and an accuracy plot.",
+    )
+    prompts: list[str] | None = Field(
+        None, description="Evaluation prompts; None: the first trainer prompts (reward) or the held-out split (shapes)."
+    )
+    samples_per_prompt: int = Field(4, ge=1, description="Fixed-seed ODE samples per evaluation prompt.")
+    grid_samples: int = Field(4, ge=1, description="Samples per prompt shown in the evaluation grids.")
+
+
 class TrainerSection(_Section):
     """The FlowGRPO loop: batch shape, optimiser, objective, logging."""
 
@@ -36,6 +53,9 @@ class TrainerSection(_Section):
     group_size: int = Field(8, ge=2, description="Samples per prompt; advantages are relative within a group.")
     prompts: list[str] = Field(
         default_factory=lambda: ["a photo of a cat"], min_length=1, description="Training prompts, used round-robin."
+    )
+    shapes_prompts: Literal["train", "held_out", "all"] | None = Field(
+        None, description="Train on this split of the shapes-world grammar (shuffled with `seed`) instead of `prompts`."
     )
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
@@ -52,7 +72,10 @@ class TrainerSection(_Section):
         1e-4, gt=0, description="Largest |ratio - 1| accepted before the first optimizer step of a rollout."
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="Adapter settings.")
-    eval_every: int = Field(0, ge=0, description="Steps between ODE evaluations (with an image grid); 0 = never.")
+    eval_every: int = Field(
+        0, ge=0, description="Steps between ODE evaluations (before training, every so many steps and at the end); 0 = never."
+    )
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection, description="What evaluations measure.")
     image_every: int = Field(5, ge=0, description="Steps between grids of training images; 0 = never.")
     checkpoint_every: int = Field(10, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     prefetch: bool = Field(False, description="Push each new version to the live replicas ahead of requests.")
@@ -61,6 +84,14 @@ class TrainerSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
+        if self.shapes_prompts is not None:
+            import random
+
+            from serve_app.shapes.evaluation import eval_prompts
+
+            prompts = eval_prompts(self.shapes_prompts)
+            random.Random(self.seed).shuffle(prompts)
+            self.prompts = prompts
         if self.prompts_per_step > len(self.prompts):
             raise ValueError(
                 f"trainer.prompts_per_step ({self.prompts_per_step}) exceeds the {len(self.prompts)} trainer.prompts"

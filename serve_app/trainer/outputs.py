@@ -1,4 +1,4 @@
-"""What a run leaves in `outputs/<run>/`: metrics.csv, reward_curve.png and image grids."""
+"""What a run leaves in `outputs/<run>/`: metrics.csv, reward_curve.png and image grids (eval.csv: evaluation.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ METRIC_COLUMNS = [
 
 
 class MetricsLog:
-    """One CSV row per step; per-reward-key columns (`reward_<key>_mean`) are added from the first row."""
+    """One CSV row per step; columns not in `columns` (e.g. `reward_<key>_mean`) are added from the first row."""
 
-    def __init__(self, path: Path, *, append: bool = False) -> None:
+    def __init__(self, path: Path, *, append: bool = False, columns: list[str] | None = None) -> None:
         self.path = path
+        self.leading = columns or METRIC_COLUMNS
         self.rows: list[dict[str, float]] = []
         self.columns: list[str] | None = None
         if append and path.is_file():
@@ -31,8 +32,8 @@ class MetricsLog:
 
     def append(self, row: dict[str, float]) -> None:
         if self.columns is None:
-            extra = sorted(k for k in row if k not in METRIC_COLUMNS)
-            self.columns = METRIC_COLUMNS + extra
+            extra = sorted(k for k in row if k not in self.leading)
+            self.columns = self.leading + extra
             with self.path.open("w", newline="") as f:
                 csv.DictWriter(f, self.columns).writeheader()
         self.rows.append(row)

@@ -29,6 +29,7 @@ from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import SamplingParams, Trajectory, TrajectoryBatch
 from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
 from serve_app.trainer.config import TrainerRunConfig
+from serve_app.trainer.evaluation import RunEvaluator
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
@@ -96,12 +97,18 @@ class FlowGRPOTrainer:
         self.step = 0  # steps completed
         self.version = 0  # the version the trainer's weights equal (0 = base; a fresh adapter is a no-op)
         self.step_seconds: list[float] = []
+        self.images_sampled = 0  # rollout images so far (evaluations not counted)
         self.total_steps = self.cfg.steps
         if resume is not None:
             self._resume(Path(resume))
         self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None)
+        self.evaluator = RunEvaluator(config, client, self.out, append=resume is not None) if self.cfg.eval_every else None
         if resume is not None:
             self.metrics.truncate_after(self.step - 1)
+            self.step_seconds = [r["step_seconds"] for r in self.metrics.rows]
+            self.images_sampled = len(self.metrics.rows) * self.cfg.prompts_per_step * self.cfg.group_size
+            if self.evaluator is not None:
+                self.evaluator.log.truncate_after(self.step)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -111,6 +118,8 @@ class FlowGRPOTrainer:
 
         total = self.total_steps = steps if steps is not None else self.cfg.steps
         bar = tqdm(total=total, initial=self.step, desc="flowgrpo", disable=not self.progress, dynamic_ncols=True)
+        if self.evaluator is not None and self.step == 0 and not self.evaluator.rows:
+            self.evaluate()  # the model before training: eval.csv's step 0
         while self.step < total:
             row = self.train_step()
             bar.update(1)
@@ -150,10 +159,11 @@ class FlowGRPOTrainer:
         row = self._row(step, batch, advantages, stats, sample_s, train_s, weight_sync_s, time.perf_counter() - started)
         if cfg.image_every and step % cfg.image_every == 0:
             save_image_grid(trajectory.images, self.out / f"train_step{step:05d}.png", columns=cfg.group_size)
-        if cfg.eval_every and (step % cfg.eval_every == 0 or self.step == self.total_steps):
-            row["eval_reward_mean"] = self.evaluate(step)
-        self.metrics.append(row)
         self.step_seconds.append(row["step_seconds"])
+        self.images_sampled += len(batch)
+        if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == self.total_steps):
+            row["eval_reward_mean"] = self.evaluate()["eval_reward_mean"]
+        self.metrics.append(row)
         return row
 
     def _update(self, trajectory: Trajectory, advantages: torch.Tensor) -> UpdateStats:
@@ -270,15 +280,12 @@ class FlowGRPOTrainer:
 
     # -- evaluation and outputs ---------------------------------------------------------------
 
-    def evaluate(self, step: int) -> float:
-        """ODE samples of the first prompts at the newest version, fixed seed; saves a grid."""
-        validation = self.config.validation
-        sampling = self.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed)
-        columns = min(self.cfg.group_size, 4)
-        batch = self.client.rollout(self._prompts(0), columns, sampling=sampling, policy_version=self.version,
-                                    seed=validation.seed, timeout_s=self.cfg.rollout_timeout_s)
-        save_image_grid(batch.trajectory.images, self.out / f"eval_step{step:05d}.png", columns=columns)
-        return float(batch.rewards["total"].mean())
+    def evaluate(self) -> dict[str, float]:
+        """Fixed-seed ODE samples at the trainer's version after `self.step` updates: an eval.csv row and a grid."""
+        if self.evaluator is None:
+            raise RuntimeError("evaluations are off (trainer.eval_every = 0)")
+        return self.evaluator.evaluate(self.step, self.version, train_minutes=sum(self.step_seconds) / 60,
+                                       images_sampled=self.images_sampled)
 
     def finish(self) -> None:
         from safetensors.torch import save_file
@@ -286,6 +293,8 @@ class FlowGRPOTrainer:
         save_file(self.model.publishable_state(), self.out / f"{self.model.kind}_final.safetensors")
         if self.metrics.rows:
             plot_reward_curve(self.metrics.rows, self.out / "reward_curve.png")
+        if self.evaluator is not None:
+            self.evaluator.finish()
 
     def summary(self) -> str:
         rows = self.metrics.rows
@@ -296,7 +305,9 @@ class FlowGRPOTrainer:
         rise = statistics.mean(last) - statistics.mean(first)
         std0 = rows[0]["reward_std"]
         per_step = statistics.mean(self.step_seconds) if self.step_seconds else math.nan
+        evaluation = self.evaluator.summary() if self.evaluator is not None else ""
         return (
+            (f"{evaluation}\n" if evaluation else "") +
             f"steps {len(rows)} | reward mean first 5: {statistics.mean(first):.5f}, last 5: {statistics.mean(last):.5f} "
             f"(rise {rise:+.5f} = {rise / std0 if std0 > 0 else math.inf:.1f} x step-0 std {std0:.5f}) | "
             f"{per_step:.1f} s/step | final policy version {self.version} | outputs in {self.out}"

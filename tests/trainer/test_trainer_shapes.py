@@ -1,0 +1,55 @@
+"""The shapes-world run in Serve's local testing mode: evaluations before, during and after training."""
+
+import csv
+
+import pytest
+from ray import serve
+
+from serve_app.app import AppArgs, build_app
+from serve_app.client import RolloutClient
+from serve_app.shapes.evaluation import EVAL_COLUMNS
+from serve_app.trainer.config import load_trainer_config
+from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+
+
+@pytest.fixture
+def shapes_app(flowgrpo_home, tmp_path):
+    from ray.serve.batching import _BatchQueue
+
+    overrides = [f"replica.weights_dir={tmp_path / 'weights'}", "validation.num_steps=4"]
+    with pytest.MonkeyPatch.context() as mp:
+        # See tests/deployments/test_app_local.py: local testing mode has no replica context.
+        mp.setattr(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
+        handle = serve.run(build_app(AppArgs(config="shapes_rollout", overrides=overrides)),
+                           name=f"shapes-{tmp_path.name}", _local_testing_mode=True)
+        yield RolloutClient(handle=handle), overrides
+
+
+def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
+    client, overrides = shapes_app
+    config = load_trainer_config("trainer/shapes", [
+        *overrides, "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_every=1",
+        "trainer.evaluation.samples_per_prompt=2", "trainer.evaluation.grid_samples=2", "trainer.image_every=0",
+        "trainer.checkpoint_every=0", "sampling.num_steps=6", "sampling.sde_window_range=[0,3]",
+    ])
+    assert len(config.trainer.prompts) == 76  # the train split, not the held-out prompts evaluated below
+    trainer = FlowGRPOTrainer(config, client, tmp_path / "out", policy=load_trainer_policy(config), progress=False)
+    rows = trainer.train()
+    out = tmp_path / "out"
+    assert all(r["onpolicy_ratio_dev"] < 1e-6 for r in rows)
+    with (out / "eval.csv").open() as f:
+        evals = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in evals] == [0, 1, 2]  # before training, then after each update
+    assert [int(r["policy_version"]) for r in evals] == [0, 1, 2]
+    assert [int(r["images_sampled"]) for r in evals] == [0, 8, 16]
+    for row in evals:
+        for column in EVAL_COLUMNS:
+            assert 0.0 <= float(row[column]) <= 1.0
+    # The rows are the checker's verdicts on 14 held-out prompts x 2 fixed seeds: multiples of 1/28.
+    assert all(abs(float(r["strict_accuracy"]) * 28 - round(float(r["strict_accuracy"]) * 28)) < 1e-9 for r in evals)
+    for name in ("eval_before.png", "eval_after.png", "eval_accuracy.png", "eval_step00001.png", "reward_curve.png"):
+        assert (out / name).is_file(), name
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[:3] == ["step", "policy_version", "reward_mean"]
+    assert "reward_shapes_strict_mean" in header and "reward_shapes_partial_mean" in header
+    assert "strict_accuracy" in trainer.summary()
