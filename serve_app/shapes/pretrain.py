@@ -36,7 +36,7 @@ from .scene import parse_prompt, render
 @dataclass
 class EvalSettings:
     every: int = 1000  # steps between evaluations; 0 = only at the end
-    samples_per_prompt: int = 8
+    samples_per_prompt: int = 4
     num_steps: int = 20
     guidance_scale: float = 1.0
     seed: int = 1234
@@ -46,7 +46,7 @@ class EvalSettings:
 class PretrainConfig:
     model: ShapesModelSpec = field(default_factory=ShapesModelSpec)
     seed: int = 0
-    steps: int = 4000
+    steps: int = 3000
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 200
@@ -58,6 +58,8 @@ class PretrainConfig:
     logit_normal_mean: float = 0.0  # sigma = sigmoid(N(mean, std)): SD3's timestep density
     logit_normal_std: float = 1.0
     image_size: int = 32
+    scene_grid: int = 4  # object corners on the 4-px token grid (scene.render's `grid`)
+    scene_sizes: tuple[int, ...] = (12, 16)  # object sides in px; () draws them from scene.SIZE_RANGE
     torch_threads: int = 2
     save_dtype: str = "bfloat16"
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -72,6 +74,7 @@ def load_pretrain_config(path: str | Path | None, overrides: list[str] = ()) -> 
     parts.append(OmegaConf.from_dotlist(list(overrides)))
     merged = OmegaConf.merge(*parts)
     config = OmegaConf.to_object(merged)
+    config.scene_sizes = tuple(config.scene_sizes)
     config.model = ShapesModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in asdict(config.model).items()})
     return config
 
@@ -79,15 +82,16 @@ def load_pretrain_config(path: str | Path | None, overrides: list[str] = ()) -> 
 class SceneBatches:
     """An endless, seeded stream of (uint8 images [B, 3, S, S], prompts) from the train prompts."""
 
-    def __init__(self, seed: int, batch_size: int, image_size: int) -> None:
+    def __init__(self, seed: int, batch_size: int, image_size: int, grid: int = 1, sizes: tuple[int, ...] = ()) -> None:
         self.rng = np.random.default_rng(seed)
         self.prompts = eval_prompts("train")
         self.specs = [parse_prompt(p) for p in self.prompts]
-        self.batch_size, self.image_size = batch_size, image_size
+        self.batch_size, self.image_size, self.grid, self.sizes = batch_size, image_size, grid, sizes
 
     def next(self) -> tuple[torch.Tensor, list[int]]:
         picks = self.rng.integers(0, len(self.prompts), size=self.batch_size).tolist()
-        images = np.stack([render(self.specs[i], self.rng, self.image_size) for i in picks])
+        images = np.stack([render(self.specs[i], self.rng, self.image_size, grid=self.grid, sizes=self.sizes or None)
+                           for i in picks])
         return torch.from_numpy(images), picks
 
 
@@ -140,7 +144,7 @@ def pretrain(config: PretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | N
         optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
         processor = policy.text_processor()
-        data = SceneBatches(config.seed, config.batch_size, config.image_size)
+        data = SceneBatches(config.seed, config.batch_size, config.image_size, config.scene_grid, config.scene_sizes)
         tokens = processor.tokenize(data.prompts)
         negative = processor.tokenize([config.negative_prompt])[0]
         generator = torch.Generator().manual_seed(config.seed)

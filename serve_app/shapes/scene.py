@@ -182,13 +182,13 @@ def _separated(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
     return ya + sa + g <= yb or yb + sb + g <= ya or xa + sa + g <= xb or xb + sb + g <= xa
 
 
-def _layout(rng: np.random.Generator, n: int, size: int) -> list[tuple[int, int, int]]:
+def _layout(rng: np.random.Generator, n: int, size: int, grid: int, sizes: Sequence[int] | None) -> list[tuple[int, int, int]]:
     lo, hi = (max(3, round(f * size)) for f in SIZE_RANGE)
     for _ in range(1000):
         boxes: list[tuple[int, int, int]] = []
         for _ in range(n):
-            s = int(rng.integers(lo, hi + 1))
-            y, x = (int(v) for v in rng.integers(0, size - s + 1, size=2))
+            s = int(rng.choice(sizes)) if sizes else int(rng.integers(lo, hi + 1))
+            y, x = (grid * int(v) for v in rng.integers(0, (size - s) // grid + 1, size=2))
             if not all(_separated((y, x, s), b) for b in boxes):
                 break
             boxes.append((y, x, s))
@@ -197,11 +197,18 @@ def _layout(rng: np.random.Generator, n: int, size: int) -> list[tuple[int, int,
     raise RuntimeError(f"could not place {n} objects of {lo}-{hi} px in a {size} px image")
 
 
-def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32) -> np.ndarray:
-    """uint8 [3, size, size]: background plus each object at a random size and position, boxes apart."""
+def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32, *, grid: int = 1,
+           sizes: Sequence[int] | None = None) -> np.ndarray:
+    """uint8 [3, size, size]: background plus each object at a random size and position, boxes apart.
+
+    By default sizes are drawn from SIZE_RANGE and positions from every pixel. ``grid`` puts the
+    boxes' corners on multiples of ``grid`` px and ``sizes`` lists the allowed sides: pretraining
+    aligns objects with the model's 4-px image tokens, so that a token is inside, outside or on a
+    fixed piece of an edge - geometry a 2.5M-parameter model can learn in minutes on a CPU.
+    """
     img = np.empty((size, size, 3), dtype=np.uint8)
     img[:] = BACKGROUND
-    for obj, (y, x, s) in zip(spec.objects, _layout(rng, len(spec.objects), size)):
+    for obj, (y, x, s) in zip(spec.objects, _layout(rng, len(spec.objects), size, grid, sizes)):
         region = img[y : y + s, x : x + s]
         region[shape_mask(obj.shape, s, s)] = COLOURS[obj.colour]
     return np.ascontiguousarray(img.transpose(2, 0, 1))
