@@ -46,8 +46,8 @@ class EvalSettings:
 class PretrainConfig:
     model: ShapesModelSpec = field(default_factory=ShapesModelSpec)
     seed: int = 0
-    steps: int = 3000
-    batch_size: int = 64
+    steps: int = 4000
+    batch_size: int = 32
     lr: float = 1e-3
     warmup_steps: int = 200
     weight_decay: float = 0.0
@@ -55,10 +55,10 @@ class PretrainConfig:
     prompt_dropout: float = 0.1  # share of pairs trained on the negative prompt, so true CFG works
     negative_prompt: str = " "
     ema_decay: float = 0.999  # the shipped weights are the EMA; 0 ships the raw weights
-    logit_normal_mean: float = 0.0  # sigma = sigmoid(N(mean, std)): SD3's timestep density
+    logit_normal_mean: float = 1.0  # sigma = sigmoid(N(mean, std)): SD3's timestep density, shifted to high noise
     logit_normal_std: float = 1.0
     image_size: int = 32
-    scene_grid: int = 4  # object corners on the 4-px token grid (scene.render's `grid`)
+    scene_grid: int = 8  # object corners on multiples of 8 px: 3 x 3 places (scene.render's `grid`)
     scene_sizes: tuple[int, ...] = (12, 16)  # object sides in px; () draws them from scene.SIZE_RANGE
     torch_threads: int = 2
     save_dtype: str = "bfloat16"

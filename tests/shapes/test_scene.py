@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 
@@ -150,16 +152,16 @@ def test_split_is_deterministic_partition_covering_vocabulary():
 
 
 def test_render_on_the_token_grid():
-    """Pretraining's layout: box corners on multiples of 4 px, sides 12 or 16, still a strict pass."""
+    """Pretraining's layout: box corners on a grid, sides 12 or 16, still a strict pass."""
     from serve_app.shapes import check
 
     rng = np.random.default_rng(3)
-    for spec in all_specs():
-        img = render(spec, rng, grid=4, sizes=(12, 16))
+    for grid, spec in itertools.product((4, 8), all_specs()):
+        img = render(spec, rng, grid=grid, sizes=(12, 16))
         assert check(img, spec).strict, spec.prompt()
         mask = (img != np.array(BACKGROUND, dtype=np.uint8)[:, None, None]).any(0)
         ys, xs = np.nonzero(mask)
-        assert ys.min() % 4 == 0 and xs.min() % 4 == 0
+        assert ys.min() % grid == 0 and xs.min() % grid == 0
         if len(spec.objects) == 1:
             side = max(ys.max() - ys.min(), xs.max() - xs.min()) + 1
             assert side in (12, 16)
