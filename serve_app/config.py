@@ -51,7 +51,7 @@ class ModelConfig(_Section):
     )
     embedded: str = Field(
         "tiny-qwen-image",
-        description="Embedded random-weight checkpoint (serve_app.models.EMBEDDED_MODELS); used when path is None.",
+        description="Embedded checkpoint (serve_app.models.EMBEDDED_MODELS: random-weight miniatures, or the pretrained shapes-world model); used when path is None.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute dtype.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")

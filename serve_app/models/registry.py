@@ -39,8 +39,11 @@ class Builder(Protocol):
 
 @dataclass(frozen=True)
 class EmbeddedModel:
+    """A model built from code on first use (`build`), or a trained one committed to the repo (`shipped`)."""
+
     family: ModelFamily
-    build: Builder
+    build: Builder | None = None
+    shipped: Path | None = None
 
 
 # The builders import diffusers/transformers lazily: importing this module (e.g. just for
@@ -69,10 +72,14 @@ def _qwen2_tokenizer(out_dir: Path) -> Path:
     return build_qwen2_tokenizer(out_dir)
 
 
+# Pretrained in pixel space on the shapes world (see its README.md for the command and figures).
+SHIPPED_CHECKPOINTS = Path(__file__).parent / "checkpoints"
+
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
-    "tiny-qwen-image": EmbeddedModel("qwen_image", _tiny_qwen_image),
-    "small-qwen-image": EmbeddedModel("qwen_image", _small_qwen_image),
-    "tiny-sd3": EmbeddedModel("sd3", _tiny_sd3),
+    "tiny-qwen-image": EmbeddedModel("qwen_image", build=_tiny_qwen_image),
+    "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
+    "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
+    "shapes-qwen-image": EmbeddedModel("qwen_image", shipped=SHIPPED_CHECKPOINTS / "shapes-qwen-image"),
 }
 
 
@@ -121,16 +128,23 @@ def ensure_qwen2_tokenizer() -> Path:
 def ensure_embedded_model(name: str) -> Path:
     """Directory of the embedded model ``name``, building it on first use.
 
-    The result is ``flowgrpo_home()/models/<name>-<BUILD_VERSION>`` and loads with the
-    matching diffusers pipeline's ``from_pretrained(path, local_files_only=True)``.
+    The result is ``flowgrpo_home()/models/<name>-<BUILD_VERSION>`` (a shipped checkpoint: its
+    directory in the package) and loads with the matching diffusers pipeline's
+    ``from_pretrained(path, local_files_only=True)``.
     """
     try:
         model = EMBEDDED_MODELS[name]
     except KeyError:
         raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(sorted(EMBEDDED_MODELS))}") from None
+    if model.shipped is not None:
+        if not (model.shipped / "model_index.json").is_file():
+            raise FileNotFoundError(f"the shipped checkpoint {name!r} is missing from {model.shipped}")
+        return model.shipped
     target = flowgrpo_home() / "models" / f"{name}-{BUILD_VERSION}"
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = ensure_qwen2_tokenizer()
-    return _build_once(target, lambda tmp: model.build(tmp, tokenizer_dir=tokenizer_dir))
+    build = model.build
+    assert build is not None  # an EmbeddedModel has a builder or a shipped directory
+    return _build_once(target, lambda tmp: build(tmp, tokenizer_dir=tokenizer_dir))
