@@ -39,7 +39,11 @@ class EvaluationSection(_Section):
         "(strict, partial, count, colour, shape) with labelled grids and an accuracy plot.",
     )
     prompts: list[str] | None = Field(
-        None, description="Evaluation prompts; None: the first trainer prompts (reward) or the held-out split (shapes)."
+        None, description="Evaluation prompts (reward kind); None: the first trainer prompts."
+    )
+    splits: list[Literal["held_out", "train"]] = Field(
+        default_factory=lambda: ["held_out"], min_length=1,
+        description="Shapes kind: grammar splits evaluated, one eval.csv row each (held_out: prompts never trained on).",
     )
     samples_per_prompt: int = Field(4, ge=1, description="Fixed-seed ODE samples per evaluation prompt.")
     grid_samples: int = Field(4, ge=1, description="Samples per prompt shown in the evaluation grids.")

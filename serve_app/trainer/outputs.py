@@ -28,7 +28,7 @@ class MetricsLog:
             with path.open() as f:
                 reader = csv.DictReader(f)
                 self.columns = list(reader.fieldnames or [])
-                self.rows = [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in reader]
+                self.rows = [{k: _number_or_text(v) for k, v in row.items() if v not in ("", None)} for row in reader]
 
     def append(self, row: dict[str, float]) -> None:
         if self.columns is None:
@@ -51,6 +51,13 @@ class MetricsLog:
                 writer.writeheader()
                 for row in self.rows:
                     writer.writerow(row)
+
+
+def _number_or_text(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value  # e.g. eval.csv's split
 
 
 def plot_reward_curve(rows: list[dict[str, float]], path: Path) -> None:

@@ -30,6 +30,7 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
     config = load_trainer_config("trainer/shapes", [
         *overrides, "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_every=1",
         "trainer.evaluation.samples_per_prompt=2", "trainer.evaluation.grid_samples=2", "trainer.image_every=0",
+        "trainer.evaluation.splits=[held_out,train]",
         "trainer.checkpoint_every=0", "sampling.num_steps=6", "sampling.sde_window_range=[0,3]",
     ])
     assert len(config.trainer.prompts) == 76  # the train split, not the held-out prompts evaluated below
@@ -38,7 +39,10 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
     out = tmp_path / "out"
     assert all(r["onpolicy_ratio_dev"] < 1e-6 for r in rows)
     with (out / "eval.csv").open() as f:
-        evals = list(csv.DictReader(f))
+        both = list(csv.DictReader(f))
+    assert [(int(r["step"]), r["split"]) for r in both] == [(s, split) for s in (0, 1, 2) for split in ("held_out", "train")]
+    assert all(int(r["step"]) == 0 or r["images_sampled"] != "0" for r in both)
+    evals = [r for r in both if r["split"] == "held_out"]
     assert [int(r["step"]) for r in evals] == [0, 1, 2]  # before training, then after each update
     assert [int(r["policy_version"]) for r in evals] == [0, 1, 2]
     assert [int(r["images_sampled"]) for r in evals] == [0, 8, 16]
@@ -47,7 +51,8 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
             assert 0.0 <= float(row[column]) <= 1.0
     # The rows are the checker's verdicts on 14 held-out prompts x 2 fixed seeds: multiples of 1/28.
     assert all(abs(float(r["strict_accuracy"]) * 28 - round(float(r["strict_accuracy"]) * 28)) < 1e-9 for r in evals)
-    for name in ("eval_before.png", "eval_after.png", "eval_accuracy.png", "eval_step00001.png", "reward_curve.png"):
+    for name in ("eval_before.png", "eval_after.png", "eval_before_train.png", "eval_after_train.png",
+                 "eval_accuracy.png", "eval_step00001.png", "eval_train_step00001.png", "reward_curve.png"):
         assert (out / name).is_file(), name
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert header[:3] == ["step", "policy_version", "reward_mean"]
