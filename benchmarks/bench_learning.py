@@ -54,7 +54,7 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every: int,
-                seed: int, work: Path) -> list[dict]:
+                seed: int, work: Path, splits: list[str]) -> list[dict]:
     import pytest
     from ray import serve
     from ray.serve.batching import _BatchQueue
@@ -74,6 +74,7 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
         config = load_trainer_config("trainer/shapes", [
             *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={eval_every}",
             f"trainer.steps={max_steps}", "trainer.image_every=0", "trainer.checkpoint_every=0",
+            f"trainer.evaluation.splits=[{','.join(splits)}]",
         ])
         trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
                                   policy=load_trainer_policy(config), progress=False)
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--splits", default="held_out",
+                        help="comma-separated splits to evaluate; the first is the one compared (train has 5x the prompts)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -113,7 +116,8 @@ def main() -> None:
             for name in runs:
                 if same_as[name] is None:
                     rows = run_variant(name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
-                                       eval_every=args.eval_every, seed=repeat, work=Path(scratch))
+                                       eval_every=args.eval_every, seed=repeat, work=Path(scratch),
+                                       splits=args.splits.split(","))
                     runs[name].append(rows)
     for name, other in same_as.items():
         if other is not None:
@@ -137,7 +141,7 @@ def main() -> None:
         "benchmark": "bench_learning",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps, "eval_every": args.eval_every,
-                     "repeats": args.repeats, "trainer_config": "trainer/shapes",
+                     "repeats": args.repeats, "trainer_config": "trainer/shapes", "splits": args.splits,
                      "eval": "held-out prompts x trainer.evaluation.samples_per_prompt fixed seeds, ODE, validation.num_steps"},
         "total_minutes": (time.perf_counter() - started) / 60,
         "variants": variants,
