@@ -26,7 +26,7 @@ test: venv
 # shipped shapes-world model learning to draw what its prompts ask (held-out accuracy in eval.csv).
 # `make demo STEPS=40` is shorter, `make demo OUT=outputs/mine` picks the output folder,
 # `make demo WORLD=brightness STEPS=60` runs the random tiny model on the brightness reward.
-STEPS ?= 200
+STEPS ?= 150
 OUT ?= outputs/demo
 WORLD ?= shapes
 demo: venv
