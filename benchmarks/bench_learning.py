@@ -54,7 +54,7 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every: int,
-                seed: int, work: Path, splits: list[str]) -> list[dict]:
+                seed: int, work: Path, splits: list[str], samples: int) -> list[dict]:
     import pytest
     from ray import serve
     from ray.serve.batching import _BatchQueue
@@ -74,7 +74,7 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
         config = load_trainer_config("trainer/shapes", [
             *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={eval_every}",
             f"trainer.steps={max_steps}", "trainer.image_every=0", "trainer.checkpoint_every=0",
-            f"trainer.evaluation.splits=[{','.join(splits)}]",
+            f"trainer.evaluation.splits=[{','.join(splits)}]", f"trainer.evaluation.samples_per_prompt={samples}",
         ])
         trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
                                   policy=load_trainer_policy(config), progress=False)
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--samples-per-prompt", type=int, default=4, help="fixed evaluation seeds per prompt")
     parser.add_argument("--splits", default="held_out",
                         help="comma-separated splits to evaluate; the first is the one compared (train has 5x the prompts)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
@@ -117,7 +118,7 @@ def main() -> None:
                 if same_as[name] is None:
                     rows = run_variant(name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
                                        eval_every=args.eval_every, seed=repeat, work=Path(scratch),
-                                       splits=args.splits.split(","))
+                                       splits=args.splits.split(","), samples=args.samples_per_prompt)
                     runs[name].append(rows)
     for name, other in same_as.items():
         if other is not None:
@@ -142,6 +143,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps, "eval_every": args.eval_every,
                      "repeats": args.repeats, "trainer_config": "trainer/shapes", "splits": args.splits,
+                     "samples_per_prompt": args.samples_per_prompt,
                      "eval": "held-out prompts x trainer.evaluation.samples_per_prompt fixed seeds, ODE, validation.num_steps"},
         "total_minutes": (time.perf_counter() - started) / 60,
         "variants": variants,
