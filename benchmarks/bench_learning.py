@@ -144,7 +144,7 @@ def main() -> None:
         "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps, "eval_every": args.eval_every,
                      "repeats": args.repeats, "trainer_config": "trainer/shapes", "splits": args.splits,
                      "samples_per_prompt": args.samples_per_prompt,
-                     "eval": "held-out prompts x trainer.evaluation.samples_per_prompt fixed seeds, ODE, validation.num_steps"},
+                     "eval": "the first of `splits` x samples_per_prompt fixed seeds, ODE, validation.num_steps"},
         "total_minutes": (time.perf_counter() - started) / 60,
         "variants": variants,
     }

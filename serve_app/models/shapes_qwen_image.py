@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from serve_app.models.pixel_vae import PixelPatchVAE
-from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder
+from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder, qwen_image_transformer
 
 __all__ = ["ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
 
@@ -116,17 +116,8 @@ def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: 
     z_dim = 3 * spec.vae_patch_size**2
     with torch.device("cpu"):
         torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=4 * z_dim,
-            out_channels=z_dim,
-            num_layers=spec.layers,
-            attention_head_dim=spec.head_dim,
-            num_attention_heads=spec.heads,
-            joint_attention_dim=spec.text_dim,
-            guidance_embeds=False,
-            axes_dims_rope=spec.rope_axes,
-        )
+        transformer = qwen_image_transformer(z_dim=z_dim, layers=spec.layers, heads=spec.heads, head_dim=spec.head_dim,
+                                             text_dim=spec.text_dim, rope_axes=spec.rope_axes)
         torch.manual_seed(seed + 1)
         text_encoder = qwen25vl_text_encoder(
             vocab_size=len(tokenizer), hidden_size=spec.text_dim, layers=spec.text_layers, heads=spec.text_heads,

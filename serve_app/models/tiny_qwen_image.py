@@ -33,7 +33,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForCondition
 
 from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
 
-__all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder"]
+__all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder", "qwen_image_transformer"]
 
 QwenImageSize = Literal["tiny", "small"]
 
@@ -110,18 +110,26 @@ def min_image_size(size: QwenImageSize) -> int:
     return 2 * 2 ** (len(_SPECS[size].vae_dim_mult) - 1)
 
 
-def _transformer(spec: _Spec) -> QwenImageTransformer2DModel:
+def qwen_image_transformer(
+    *, z_dim: int, layers: int, heads: int, head_dim: int, text_dim: int, rope_axes: tuple[int, int, int]
+) -> QwenImageTransformer2DModel:
+    """A QwenImageTransformer2DModel over 2x2-packed latents of ``z_dim`` channels."""
     return QwenImageTransformer2DModel(
         patch_size=2,
-        in_channels=spec.z_dim * 4,  # 2x2 packed latent patches
-        out_channels=spec.z_dim,
-        num_layers=spec.layers,
-        attention_head_dim=spec.head_dim,
-        num_attention_heads=spec.heads,
-        joint_attention_dim=spec.text_dim,
+        in_channels=z_dim * 4,  # 2x2 packed latent patches
+        out_channels=z_dim,
+        num_layers=layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=text_dim,
         guidance_embeds=False,
-        axes_dims_rope=spec.rope_axes,
+        axes_dims_rope=rope_axes,
     )
+
+
+def _transformer(spec: _Spec) -> QwenImageTransformer2DModel:
+    return qwen_image_transformer(z_dim=spec.z_dim, layers=spec.layers, heads=spec.heads, head_dim=spec.head_dim,
+                                  text_dim=spec.text_dim, rope_axes=spec.rope_axes)
 
 
 def _vae(spec: _Spec) -> AutoencoderKLQwenImage:
