@@ -55,7 +55,8 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every: int,
                 seed: int, work: Path, splits: list[str], samples: int) -> list[dict]:
-    import pytest
+    from unittest import mock
+
     from ray import serve
     from ray.serve.batching import _BatchQueue
 
@@ -66,9 +67,8 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
 
     run_dir = work / f"{name}-seed{seed}"
     app_overrides = [f"replica.weights_dir={run_dir / 'weights'}", *[o for o in overrides if o.startswith("sampling.")]]
-    with pytest.MonkeyPatch.context() as mp:
-        # Ray 2.60's local testing mode has no replica context, and @serve.batch's sizing warning needs one.
-        mp.setattr(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
+    # Ray 2.60's local testing mode has no replica context, and @serve.batch's sizing warning needs one.
+    with mock.patch.object(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None):
         handle = serve.run(build_app(AppArgs(config="shapes_rollout", overrides=app_overrides)),
                            name=f"bench-{name}-{seed}", route_prefix=None, _local_testing_mode=True)
         config = load_trainer_config("trainer/shapes", [

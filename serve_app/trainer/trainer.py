@@ -35,6 +35,7 @@ from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
 from serve_app.weights import open_weight_store
 
+
 class TrainingDivergedError(RuntimeError):
     """A non-finite loss or gradient: training stops before the weights or the checkpoint change."""
 
