@@ -2,12 +2,13 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Keep every Ray process we start on 127.0.0.1 and with one auth mode (see REFERENCE.md section 3).
+# Keep every Ray process we start on 127.0.0.1 (Ray binds to the routable address otherwise), and use
+# one auth mode for `ray start` and the `serve` CLI, which fail against each other when they differ.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-fast demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +20,13 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Everything: unit tests, local-mode graphs, learning runs, real clusters, benchmark smoke runs.
 test: venv
 	$(PY) -m pytest -q --durations=10 tests
+
+# The quick loop: plain classes and Serve's local testing mode, no cluster, no learning runs.
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow and not cluster and not gpu" tests
 
 # FlowGRPO on CPU against the app deployed on a local Ray cluster (loopback only). Default: the
 # shipped shapes-world model learning to draw what its prompts ask (held-out accuracy in eval.csv).

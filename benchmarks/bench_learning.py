@@ -55,35 +55,27 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every: int,
                 seed: int, work: Path, splits: list[str], samples: int) -> list[dict]:
-    from unittest import mock
-
-    from ray import serve
-    from ray.serve.batching import _BatchQueue
-
-    from serve_app.app import AppArgs, build_app
+    from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
     from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
 
     run_dir = work / f"{name}-seed{seed}"
     app_overrides = [f"replica.weights_dir={run_dir / 'weights'}", *[o for o in overrides if o.startswith("sampling.")]]
-    # Ray 2.60's local testing mode has no replica context, and @serve.batch's sizing warning needs one.
-    with mock.patch.object(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None):
-        handle = serve.run(build_app(AppArgs(config="shapes_rollout", overrides=app_overrides)),
-                           name=f"bench-{name}-{seed}", route_prefix=None, _local_testing_mode=True)
-        config = load_trainer_config("trainer/shapes", [
-            *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={eval_every}",
-            f"trainer.steps={max_steps}", "trainer.image_every=0", "trainer.checkpoint_every=0",
-            f"trainer.evaluation.splits=[{','.join(splits)}]", f"trainer.evaluation.samples_per_prompt={samples}",
-        ])
-        trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
-                                  policy=load_trainer_policy(config), progress=False)
+    handle = run_local(AppArgs(config="shapes_rollout", overrides=app_overrides), name=f"bench-{name}-{seed}")
+    config = load_trainer_config("trainer/shapes", [
+        *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={eval_every}",
+        f"trainer.steps={max_steps}", "trainer.image_every=0", "trainer.checkpoint_every=0",
+        f"trainer.evaluation.args.splits=[{','.join(splits)}]", f"trainer.evaluation.samples_per_prompt={samples}",
+    ])
+    trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
+                              policy=load_trainer_policy(config), progress=False)
+    trainer.evaluate()
+    while trainer.step < max_steps and sum(trainer.step_seconds) < minutes * 60:
+        trainer.train_step()
+    if trainer.evaluator.rows[-1]["step"] != trainer.step:
         trainer.evaluate()
-        while trainer.step < max_steps and sum(trainer.step_seconds) < minutes * 60:
-            trainer.train_step()
-        if trainer.evaluator.rows[-1]["step"] != trainer.step:
-            trainer.evaluate()
-        trainer.finish()
+    trainer.finish()
     return [dict(r) for r in trainer.evaluator.rows]
 
 

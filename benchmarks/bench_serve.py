@@ -51,7 +51,7 @@ def in_process_runner(config):
         chunks = []
         for start in range(0, len(plan.chunks), config.replica.max_batch_size):
             chunks += engine.generate(plan.chunks[start : start + config.replica.max_batch_size])[0]
-        return assembler.assemble(chunks, plan.prompts, plan.group_size)
+        return assembler.assemble(chunks, plan.prompts, plan.group_size, request_id=plan.request_id)
 
     return run
 

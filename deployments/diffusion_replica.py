@@ -11,31 +11,35 @@ from ray.serve import metrics
 
 from serve_app.config import RolloutConfig
 from serve_app.engine import RolloutEngine
+from serve_app.options import check_running_options
 from serve_app.schemas import RolloutChunk, Trajectory
 from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
 
+
 def load_engine(config: RolloutConfig) -> RolloutEngine:
     """Load the configured policy on this process's device, with the weight store the trainer publishes to."""
     from serve_app.policies import load_configured_policy
 
-    if config.replica.backend == "vllm_omni":
-        from serve_app.backends import require_vllm_omni
-
-        require_vllm_omni()
     return RolloutEngine(load_configured_policy(config.model), open_weight_store(config))
 
 
 class DiffusionReplica:
     def __init__(self, config: RolloutConfig) -> None:
+        check_running_options(config, "DiffusionReplica")
         if config.replica.torch_threads is not None:
             # Ray pins OMP_NUM_THREADS to the replica's whole CPUs (1 for a fractional share); a CPU
             # replica that should use the machine's cores says so here.
             torch.set_num_threads(config.replica.torch_threads)
         self.engine = load_engine(config)
-        self.generate.set_max_batch_size(config.replica.max_batch_size)
-        self.generate.set_batch_wait_timeout_s(config.replica.batch_wait_timeout_s)
+        # Batching is set up per replica, sized by the config. serve.batch keeps its queue on the
+        # function it decorates, so a class-level decorator would share one queue - served by one event
+        # loop - between every replica of a process, as Serve's local testing mode runs them (measured:
+        # a second app's rollouts 15x slower, its batches handled on the first app's loop).
+        self.generate = serve.batch(
+            max_batch_size=config.replica.max_batch_size, batch_wait_timeout_s=config.replica.batch_wait_timeout_s
+        )(self._generate_batch)
         tags = ("family",)
         self._tags = {"family": config.model.family}
         self.images_generated = metrics.Counter(
@@ -52,8 +56,8 @@ class DiffusionReplica:
         )
         self.policy_version.set(0, tags=self._tags)
 
-    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.01)
-    async def generate(self, chunks: list[RolloutChunk]) -> list[Trajectory]:
+    async def _generate_batch(self, chunks: list[RolloutChunk]) -> list[Trajectory]:
+        """`generate(chunk)` as callers see it: Serve fuses concurrent calls into one list."""
         # Sampling is CPU/GPU-bound: run it off the event loop so health checks and metrics keep flowing.
         trajectories, stats = await asyncio.to_thread(self.engine.generate, chunks)
         for s in stats:
@@ -66,10 +70,6 @@ class DiffusionReplica:
         """Load a version ahead of the requests that pin it (the trainer may push to warm replicas)."""
         return await asyncio.to_thread(self.engine.prefetch, version)
 
-    def loaded_version(self) -> int:
-        return self.engine.versions.current
-
-    def check_health(self) -> None:
-        # A replica whose policy lost its weights cannot serve; raising here makes Serve replace it.
-        if self.engine.policy.transformer is None:
-            raise RuntimeError("policy transformer is missing")
+    async def check_health(self) -> None:
+        # Raising makes Serve replace this replica (RolloutEngine.check_health says what is checked).
+        await asyncio.to_thread(self.engine.check_health)

@@ -20,9 +20,11 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import RolloutConfig
 from serve_app.errors import InvalidRequestError, RolloutError
+from serve_app.options import check_running_options
 from serve_app.planner import RolloutPlanner
 from serve_app.rewards import TOTAL_KEY, RewardError
 from serve_app.schemas import RolloutRequest, RolloutResponse, SampleOut, TrajectoryBatch
+from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
 
@@ -38,9 +40,10 @@ def _error(status: int, kind: str, message: str, field: str = "") -> JSONRespons
 
 @api.exception_handler(RequestValidationError)
 async def _invalid_json(_: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI's errors have pydantic's shape, with "body" in front of the field path.
     first = exc.errors()[0]
-    field = ".".join(str(p) for p in first["loc"] if p != "body")
-    return _error(422, "invalid_request", first["msg"], field)
+    error = InvalidRequestError.from_errors([{**first, "loc": tuple(p for p in first["loc"] if p != "body")}])
+    return _error(422, "invalid_request", error.message, error.field)
 
 
 def _png_base64(image) -> str:
@@ -77,8 +80,12 @@ class TokenizerIngress:
     def __init__(self, replica: DeploymentHandle, aggregator: DeploymentHandle, config: RolloutConfig) -> None:
         from serve_app.policies import load_text_processor, model_dir
 
+        check_running_options(config, "TokenizerIngress")
         self.planner = RolloutPlanner(
-            load_text_processor(model_dir(config.model), family=config.model.family), config.ingress, config.sampling
+            load_text_processor(model_dir(config.model), family=config.model.family),
+            config.ingress,
+            config.sampling,
+            open_weight_store(config),
         )
         self.replica = replica
         self.aggregator = aggregator
@@ -100,8 +107,7 @@ class TokenizerIngress:
                 try:
                     request = RolloutRequest.model_validate(request)
                 except ValidationError as exc:
-                    first = exc.errors()[0]
-                    raise InvalidRequestError(first["msg"], ".".join(str(p) for p in first["loc"])) from None
+                    raise InvalidRequestError.from_validation(exc) from None
             # Tokenizing is CPU work; a thread keeps the event loop free (the processor locks the tokenizer).
             plan = await asyncio.to_thread(self.planner.plan, request)
             chunk_responses = [self.replica.generate.remote(chunk) for chunk in plan.chunks]

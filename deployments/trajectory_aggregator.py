@@ -8,12 +8,14 @@ from ray.serve import metrics
 
 from serve_app.assembler import TrajectoryAssembler
 from serve_app.config import RolloutConfig
+from serve_app.options import check_running_options
 from serve_app.rewards import CompositeReward
 from serve_app.schemas import Trajectory, TrajectoryBatch
 
 
 class TrajectoryAggregator:
     def __init__(self, config: RolloutConfig) -> None:
+        check_running_options(config, "TrajectoryAggregator")
         self.assembler = TrajectoryAssembler(
             CompositeReward(config.reward.components),
             config.aggregator.advantage,

@@ -13,7 +13,7 @@ from serve_app.config import AdvantageConfig
 from serve_app.errors import GroupIncompleteError
 from serve_app.flowgrpo.advantages import group_advantages, tied_group_fraction
 from serve_app.rewards import TOTAL_KEY, CompositeReward
-from serve_app.schemas import PromptEmbeds, Trajectory, TrajectoryBatch
+from serve_app.schemas import Trajectory, TrajectoryBatch
 
 
 def merge_chunks(trajectories: Sequence[Trajectory], num_prompts: int, group_size: int) -> Trajectory:
@@ -26,43 +26,9 @@ def merge_chunks(trajectories: Sequence[Trajectory], num_prompts: int, group_siz
     versions = {t.policy_version for t in trajectories}
     if len(versions) != 1:
         raise GroupIncompleteError(f"chunks of one request were sampled under different policy versions {sorted(versions)}")
-    prompt_index = torch.cat([t.prompt_index for t in trajectories])
-    sample_index = torch.cat([t.sample_index for t in trajectories])
-    _check_whole_groups(prompt_index, sample_index, num_prompts, group_size)
-    order = torch.argsort(prompt_index * group_size + sample_index)
-
-    # Each prompt's embedding row, taken from the first chunk that carries it.
-    rows: list[PromptEmbeds | None] = [None] * num_prompts
-    for t in trajectories:
-        for local_row, p in _prompt_rows(t):
-            if rows[p] is None:
-                rows[p] = t.prompt_embeds.select(torch.tensor([local_row]))
-    first = trajectories[0]
-
-    def cat(name: str) -> torch.Tensor:
-        return torch.cat([getattr(t, name) for t in trajectories])[order]
-
-    return Trajectory(
-        latents=cat("latents"),
-        log_probs=cat("log_probs"),
-        sigmas=first.sigmas,
-        step_indices=first.step_indices,
-        images=cat("images"),
-        seeds=cat("seeds"),
-        prompt_embeds=PromptEmbeds.cat([r for r in rows if r is not None]),
-        embed_row=prompt_index[order].clone(),
-        negative_embeds=first.negative_embeds,
-        sampling=first.sampling,
-        prompt_index=prompt_index[order].clone(),
-        sample_index=sample_index[order].clone(),
-        policy_version=first.policy_version,
-    )
-
-
-def _prompt_rows(t: Trajectory) -> list[tuple[int, int]]:
-    """(row in t.prompt_embeds, prompt index) pairs."""
-    pairs = torch.unique(torch.stack([t.embed_row, t.prompt_index], dim=1), dim=0)
-    return [(int(r), int(p)) for r, p in pairs]
+    merged = Trajectory.cat(trajectories)
+    _check_whole_groups(merged.prompt_index, merged.sample_index, num_prompts, group_size)
+    return merged.take(torch.argsort(merged.prompt_index * group_size + merged.sample_index))
 
 
 def _check_whole_groups(prompt_index: torch.Tensor, sample_index: torch.Tensor, num_prompts: int, group_size: int) -> None:
@@ -102,7 +68,7 @@ class TrajectoryAssembler:
         return {key: torch.cat([r[key] for r in per_group]) for key in per_group[0]}
 
     def assemble(
-        self, trajectories: Sequence[Trajectory], prompts: Sequence[str], group_size: int, *, request_id: str = ""
+        self, trajectories: Sequence[Trajectory], prompts: Sequence[str], group_size: int, *, request_id: str
     ) -> TrajectoryBatch:
         started = time.perf_counter()
         trajectory = merge_chunks(trajectories, len(prompts), group_size)

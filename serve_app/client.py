@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve_app.errors import AppNotDeployedError
-from serve_app.schemas import RolloutRequest, SamplingParams, TrajectoryBatch
+from serve_app.schemas import RolloutRequest, SamplingOverrides, SamplingParams, TrajectoryBatch
+
+Sampling = SamplingParams | SamplingOverrides | dict
 
 DEPLOY_HINT = (
     "start it with `serve deploy serve_config.yaml` (after `ray start --head`, with RAY_AUTH_MODE and "
@@ -42,21 +44,26 @@ class RolloutClient:
     def _request(
         prompts: Sequence[str],
         group_size: int,
-        sampling: SamplingParams | dict | None,
+        sampling: Sampling | None,
         policy_version: int | None,
         seed: int | None,
     ) -> RolloutRequest:
+        """Full SamplingParams travel whole (the trainer replays exactly what it asked for); overrides and
+        dicts carry only the fields they set, and the app's configured sampling fills the rest."""
         fields: dict[str, Any] = {"prompts": list(prompts), "group_size": group_size, "policy_version": policy_version, "seed": seed}
-        if sampling is not None:
-            # Only the fields the caller set travel, so the app's configured defaults fill the rest.
-            fields["sampling"] = sampling if isinstance(sampling, dict) else sampling.model_dump(exclude_unset=True)
+        if isinstance(sampling, SamplingParams):
+            fields["sampling"] = sampling.model_dump()
+        elif isinstance(sampling, SamplingOverrides):
+            fields["sampling"] = sampling.model_dump(exclude_unset=True)
+        elif sampling is not None:
+            fields["sampling"] = sampling
         return RolloutRequest.model_validate(fields)
 
     def rollout(
         self,
         prompts: Sequence[str],
         group_size: int,
-        sampling: SamplingParams | dict | None = None,
+        sampling: Sampling | None = None,
         policy_version: int | None = None,
         seed: int | None = None,
         *,
@@ -69,7 +76,7 @@ class RolloutClient:
         self,
         prompts: Sequence[str],
         group_size: int,
-        sampling: SamplingParams | dict | None = None,
+        sampling: Sampling | None = None,
         policy_version: int | None = None,
         seed: int | None = None,
     ) -> TrajectoryBatch:

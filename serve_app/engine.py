@@ -20,7 +20,6 @@ from serve_app.weights import WeightStore, WeightVersion
 @dataclass
 class BatchStats:
     images: int
-    seconds: float
     seconds_per_step: float
     policy_version: int
 
@@ -35,12 +34,6 @@ class PolicyVersions:
         self.store = store
         self.current = 0
         self._base_state: dict[str, torch.Tensor] | None = None
-
-    def resolve(self, requested: int | None) -> int:
-        """None means the newest published version at the time the batch runs."""
-        if requested is not None:
-            return requested
-        return self.store.latest_version() if self.store is not None else self.current
 
     def ensure(self, version: int) -> None:
         if version == self.current:
@@ -85,20 +78,48 @@ class RolloutEngine:
         self.policy = policy
         self.versions = PolicyVersions(policy, store)
         self._lock = threading.Lock()
+        self._probe_conditioning: PromptEmbeds | None = None
 
     def generate(self, chunks: Sequence[RolloutChunk]) -> tuple[list[Trajectory], list[BatchStats]]:
         """One trajectory per chunk, in order. Chunks that can share a batch (same params, window and
         version) run as one forward batch; a chunk's result does not depend on its neighbours."""
         results: list[Trajectory | None] = [None] * len(chunks)
-        stats = []
+        stats: list[BatchStats] = []
         with self._lock:
-            for key, members in self._fusable_groups(chunks).items():
-                version = key[0]
+            for (version, _, _), members in self._fusable_groups(chunks).items():
                 self.versions.ensure(version)
                 fused = [chunks[i] for i in members]
                 for i, trajectory in zip(members, self._run(fused, version, stats)):
                     results[i] = trajectory
-        return [t for t in results if t is not None], stats
+        assert all(t is not None for t in results), "every chunk belongs to exactly one fused group"
+        return results, stats  # type: ignore[return-value]
+
+    def check_health(self) -> None:
+        """Raise unless this engine can serve: the version it holds is still published, and - when no
+        batch is running - a one-step forward of the smallest image gives finite values. A running
+        batch is a forward in progress; Serve's health-check timeout bounds one that hangs."""
+        versions = self.versions
+        if versions.current != 0 and versions.store is not None and versions.current not in versions.store.versions():
+            raise RuntimeError(f"policy version {versions.current} is loaded but gone from {versions.store.root}")
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            velocity = self._probe_forward()
+        finally:
+            self._lock.release()
+        if not bool(torch.isfinite(velocity).all()):
+            raise RuntimeError(f"a one-step probe forward of version {versions.current} gave non-finite values")
+
+    @torch.no_grad()
+    def _probe_forward(self) -> torch.Tensor:
+        policy = self.policy
+        side = policy.spatial_multiple
+        if self._probe_conditioning is None:
+            self._probe_conditioning = policy.encode_prompts(policy.text_processor().tokenize([" "]))
+        latents = torch.zeros((1, *policy.latent_shape(side, side)), device=policy.device, dtype=policy.dtype)
+        sigma = torch.ones(1, device=policy.device)
+        return policy.velocity(latents, sigma, self._probe_conditioning, negative=None, guidance_scale=1.0,
+                               height=side, width=side)
 
     def prefetch(self, version: int) -> int:
         """Load `version` now, between batches; returns the version loaded."""
@@ -109,8 +130,7 @@ class RolloutEngine:
     def _fusable_groups(self, chunks: Sequence[RolloutChunk]) -> dict[tuple, list[int]]:
         groups: dict[tuple, list[int]] = {}
         for i, chunk in enumerate(chunks):
-            version = self.versions.resolve(chunk.policy_version)
-            key = (version, chunk.sampling.model_copy(update={"seed": None}), chunk.window_start)
+            key = (chunk.policy_version, chunk.sampling.model_copy(update={"seed": None}), chunk.window_start)
             groups.setdefault(key, []).append(i)
         return groups
 
@@ -136,31 +156,7 @@ class RolloutEngine:
             policy_version=version,
         )
         seconds = time.perf_counter() - started
-        stats.append(BatchStats(len(fused), seconds, seconds / params.num_steps, version))
+        stats.append(BatchStats(len(fused), seconds / params.num_steps, version))
         # 3. Split back: each chunk gets its own samples and only its prompts' embeddings.
-        out, start = [], 0
-        for chunk, off in zip(chunks, offsets.tolist()):
-            rows = slice(start, start + len(chunk))
-            prompt_rows = torch.arange(off, off + len(chunk.prompts))
-            out.append(_slice(fused, rows, embeds_for_chunk=fused.prompt_embeds.select(prompt_rows), embed_row=chunk.prompt_slot))
-            start += len(chunk)
-        return out
-
-
-def _slice(t: Trajectory, rows: slice, *, embeds_for_chunk: PromptEmbeds, embed_row: torch.Tensor) -> Trajectory:
-    # clone(): a view would pickle its whole parent storage when sent to the aggregator.
-    return Trajectory(
-        latents=t.latents[rows].clone(),
-        log_probs=t.log_probs[rows].clone(),
-        sigmas=t.sigmas,
-        step_indices=t.step_indices,
-        images=t.images[rows].clone(),
-        seeds=t.seeds[rows].clone(),
-        prompt_embeds=embeds_for_chunk,
-        embed_row=embed_row.clone(),
-        negative_embeds=t.negative_embeds,
-        sampling=t.sampling,
-        prompt_index=t.prompt_index[rows].clone(),
-        sample_index=t.sample_index[rows].clone(),
-        policy_version=t.policy_version,
-    )
+        bounds = torch.tensor([0] + [len(c) for c in chunks]).cumsum(0).tolist()
+        return [fused.take(slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -3,6 +3,12 @@ HTTP status codes at the ingress."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class RolloutError(Exception):
     """Base of the service's own errors."""
@@ -26,6 +32,17 @@ class InvalidRequestError(RolloutError, ValueError):
     def __str__(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message
 
+    @classmethod
+    def from_validation(cls, exc: ValidationError, *, prefix: Sequence[str] = ()) -> InvalidRequestError:
+        """The first error of a pydantic ValidationError, its field prefixed with ``prefix``."""
+        return cls.from_errors(exc.errors(), prefix=prefix)
+
+    @classmethod
+    def from_errors(cls, errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str] = ()) -> InvalidRequestError:
+        """The first of pydantic-shaped error dicts (``loc``, ``msg``, ``input``), e.g. FastAPI's."""
+        field, message = describe_errors(errors, prefix=prefix)[0]
+        return cls(message, field)
+
 
 class RequestTooLargeError(InvalidRequestError):
     """More samples than one request may ask for."""
@@ -45,3 +62,26 @@ class GroupIncompleteError(RolloutError):
 
 class AppNotDeployedError(RolloutError):
     """The rollout app is not running on the Ray cluster this process is connected to."""
+
+
+def validation_errors(exc: ValidationError, *, prefix: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """(dotted field, message) for each error of a pydantic ValidationError (see describe_errors)."""
+    return describe_errors(exc.errors(), prefix=prefix)
+
+
+def describe_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """(dotted field, message) for each pydantic-shaped error: the one translation of pydantic's
+    errors for configs, handle requests and HTTP bodies.
+
+    The message ends with the offending value when it is a scalar (a whole section would be too long
+    to help); model-level validators report at ``prefix`` and say the values they compared.
+    """
+    found = []
+    for error in errors:
+        field = ".".join(str(part) for part in (*prefix, *error["loc"]))
+        message = error["msg"].removeprefix("Value error, ")
+        value = error.get("input")
+        if error["loc"] and (value is None or isinstance(value, (str, int, float, bool))):
+            message += f" (got {value!r})"
+        found.append((field or "(root)", message))
+    return found

@@ -1,5 +1,8 @@
-"""The ingress's logic: validate a rollout request, tokenize it, give every sample its seed, and cut
-the work into chunks for the replicas."""
+"""The ingress's logic: validate a rollout request, merge its sampling with the app's, pin its policy
+version, tokenize it, give every sample its seed, and cut the work into chunks for the replicas.
+
+Everything a request can get wrong is decided here, before any replica sees it.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ import torch
 from pydantic import ValidationError
 
 from serve_app.config import IngressConfig
-from serve_app.errors import InvalidRequestError, RequestTooLargeError
-from serve_app.flowgrpo.seeding import derive_sample_seed, draw_window_start, fresh_request_seed
+from serve_app.errors import InvalidRequestError, PolicyVersionError, RequestTooLargeError
+from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout
 from serve_app.policies.base import TextProcessor
 from serve_app.schemas import RolloutChunk, RolloutRequest, SamplingParams
+from serve_app.weights import WeightStore
 
 
 @dataclass(frozen=True)
@@ -23,24 +27,46 @@ class RolloutPlan:
     request_id: str
     prompts: list[str]
     group_size: int
-    request_seed: int
+    policy_version: int
     chunks: list[RolloutChunk]
 
 
 class RolloutPlanner:
-    def __init__(self, text_processor: TextProcessor, limits: IngressConfig, default_sampling: SamplingParams) -> None:
+    """Plans requests against the app's limits and sampling defaults.
+
+    ``store`` is where the trainer publishes weight versions: "latest" is resolved there once per
+    request, and a pinned version must exist there. Without a store only version 0 exists.
+    """
+
+    def __init__(
+        self,
+        text_processor: TextProcessor,
+        limits: IngressConfig,
+        default_sampling: SamplingParams,
+        store: WeightStore | None = None,
+    ) -> None:
         self.text_processor = text_processor
         self.limits = limits
         self.default_sampling = default_sampling
+        self.store = store
 
     def sampling_for(self, request: RolloutRequest) -> SamplingParams:
-        """The config's sampling defaults, overridden by the fields the request set."""
-        merged = {**self.default_sampling.model_dump(), **request.sampling.model_dump(exclude_unset=True)}
+        """The app's sampling with the fields the request set, validated once on the merged values."""
         try:
-            return SamplingParams.model_validate(merged)
+            return self.default_sampling.merged(request.sampling)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise InvalidRequestError(first["msg"], ".".join(["sampling", *map(str, first["loc"])])) from None
+            raise InvalidRequestError.from_validation(exc, prefix=("sampling",)) from None
+
+    def policy_version_for(self, request: RolloutRequest) -> int:
+        """The concrete version every chunk of the request runs at: the pinned one, which must exist,
+        or the newest published now (so a version published mid-request cannot split it)."""
+        kept = [0, *self.store.versions()] if self.store is not None else [0]
+        if request.policy_version is None:
+            return kept[-1]
+        if request.policy_version not in kept:
+            newest = f", 1..{kept[-1]}" if len(kept) > 1 else ""
+            raise PolicyVersionError(f"policy version {request.policy_version} does not exist; available: 0 (base){newest}")
+        return request.policy_version
 
     def validate(self, request: RolloutRequest) -> None:
         """Bounds from the config; raises InvalidRequestError / RequestTooLargeError naming the field."""
@@ -63,12 +89,15 @@ class RolloutPlanner:
             )
 
     def plan(self, request: RolloutRequest) -> RolloutPlan:
+        # 1. Check the request, merge its sampling, pin its version.
         self.validate(request)
         sampling = self.sampling_for(request)
+        policy_version = self.policy_version_for(request)
         request_seed = request.seed if request.seed is not None else sampling.seed
         if request_seed is None:
             request_seed = fresh_request_seed()
         sampling = sampling.model_copy(update={"seed": request_seed})
+        # 2. Tokenize each prompt once (and the negative prompt when CFG is on).
         prompt_tokens = self.text_processor.tokenize(request.prompts)
         negative = (
             self.text_processor.tokenize([sampling.negative_prompt])[0] if sampling.guidance_scale > 1.0 else None
@@ -76,22 +105,14 @@ class RolloutPlanner:
         window_start = (
             None if sampling.sde_window_size is None else draw_window_start(request_seed, sampling.sde_window_range)
         )
-        request_id = uuid.uuid4().hex[:12]
-
-        # Samples in AABB order (a group is contiguous), then cut into chunks of chunk_size.
-        prompt_index = torch.arange(len(request.prompts)).repeat_interleave(request.group_size)
-        sample_index = torch.arange(request.group_size).repeat(len(request.prompts))
-        seeds = torch.tensor(
-            [derive_sample_seed(request_seed, int(p), int(s)) for p, s in zip(prompt_index, sample_index)],
-            dtype=torch.long,
-        )
+        # 3. Samples in AABB order (a group is contiguous), cut into chunks of chunk_size.
+        prompt_index, sample_index, seeds = group_layout(request_seed, len(request.prompts), request.group_size)
         chunks = []
         for start in range(0, len(seeds), self.limits.chunk_size):
             part = slice(start, start + self.limits.chunk_size)
             distinct, slot = torch.unique(prompt_index[part], return_inverse=True)
             chunks.append(
                 RolloutChunk(
-                    request_id=request_id,
                     sampling=sampling,
                     prompts=[prompt_tokens[int(p)] for p in distinct],
                     negative_prompt=negative,
@@ -100,7 +121,7 @@ class RolloutPlanner:
                     sample_index=sample_index[part].clone(),
                     seeds=seeds[part].clone(),
                     window_start=window_start,
-                    policy_version=request.policy_version,
+                    policy_version=policy_version,
                 )
             )
-        return RolloutPlan(request_id, list(request.prompts), request.group_size, request_seed, chunks)
+        return RolloutPlan(uuid.uuid4().hex[:12], list(request.prompts), request.group_size, policy_version, chunks)

@@ -8,11 +8,12 @@ deployments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 # ---------------------------------------------------------------------------------------------
 # Settings
@@ -54,6 +55,14 @@ class SamplingParams(BaseModel):
                 )
         return self
 
+    def merged(self, overrides: SamplingOverrides) -> SamplingParams:
+        """These settings with the fields ``overrides`` sets; validated once, on the merged values.
+
+        Raises:
+            pydantic.ValidationError: the merged settings are invalid (the message names the values).
+        """
+        return SamplingParams.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
+
     def for_validation(self, *, num_steps: int | None = None, seed: int | None = None) -> SamplingParams:
         """Evaluation settings: the ODE (noise 0), usually with more steps and a fixed seed."""
         return self.model_copy(
@@ -66,6 +75,20 @@ class SamplingParams(BaseModel):
                 "seed": self.seed if seed is None else seed,
             }
         )
+
+
+# A request's `sampling`: every field of SamplingParams, optional, with no constraint of its own.
+# The app's defaults are merged in and the result validated once (SamplingParams.merged), so a
+# check that involves several fields sees the values that will run, not the class defaults.
+SamplingOverrides = create_model(
+    "SamplingOverrides",
+    __config__=ConfigDict(extra="forbid", frozen=True),
+    __doc__="Sampling settings a request changes; the app's configured sampling fills the rest.",
+    **{
+        name: (field.annotation | None, Field(None, description=field.description))
+        for name, field in SamplingParams.model_fields.items()
+    },
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,9 +157,9 @@ class RolloutChunk:
     prompts: the distinct prompts this chunk needs; `prompt_slot` indexes into it.
     prompt_index / sample_index: the sample's place in the request (group = prompt_index).
     seeds: [n] per-sample seeds; a sample's noise depends on its seed only.
+    policy_version: the concrete weights version, resolved once per request by the planner.
     """
 
-    request_id: str
     sampling: SamplingParams
     prompts: list[PromptTokens]
     negative_prompt: PromptTokens | None
@@ -145,7 +168,7 @@ class RolloutChunk:
     sample_index: torch.Tensor
     seeds: torch.Tensor
     window_start: int | None
-    policy_version: int | None = None
+    policy_version: int
 
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
@@ -161,11 +184,15 @@ class Trajectory:
     step_indices:     [K] long, which steps of the schedule are stochastic (the SDE window).
     images:           [B, 3, H, W] uint8 decoded images.
     seeds:            [B] long per-sample seeds.
-    prompt_embeds:    conditioning once per distinct prompt (P rows); `embed_row` [B] maps a sample to its row.
+    prompt_embeds:    conditioning once per distinct prompt (P rows); `embed_row` [B] maps a sample to its row
+                      (a function of prompt_index: samples of one prompt share their row).
     prompt_index:     [B] long, the sample's prompt (its group) in the request.
     negative_embeds:  one row, shared by all samples, or None without CFG.
     sample_index:     [B] long, the sample's index within its group.
-    policy_version:   the weights version that produced every sample here.
+    policy_version:   the weights version that produced every sample here (no default: a forgotten
+                      stamp must fail, not read as version 0).
+
+    Built by the sampler; re-cut with :meth:`take` (rows) and :meth:`cat` (parts), never field by field.
     """
 
     latents: torch.Tensor
@@ -180,10 +207,65 @@ class Trajectory:
     sampling: SamplingParams
     prompt_index: torch.Tensor
     sample_index: torch.Tensor
-    policy_version: int = 0
+    policy_version: int
 
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
+
+    def take(self, rows: torch.Tensor | slice) -> Trajectory:
+        """The samples at ``rows`` (a [n] long index or a slice), as new tensors.
+
+        Prompt embeddings shrink to the prompts those samples use, one row each in prompt-index
+        order; tensors are copies, so the result pickles without its parent's storage. The rows must
+        come from one request (samples with one prompt_index share their conditioning): a batch
+        fused from several requests is cut back per request, never across.
+        """
+        index = torch.arange(len(self))[rows] if isinstance(rows, slice) else rows.to(torch.long)
+        prompt_index = self.prompt_index[index]
+        prompts, slot = torch.unique(prompt_index, return_inverse=True)
+        # Any sample of a prompt holds that prompt's embedding row; take the first one's.
+        first = torch.stack([index[prompt_index == p][0] for p in prompts]) if len(index) else index
+        return replace(
+            self,
+            latents=self.latents[index].clone(),
+            log_probs=self.log_probs[index].clone(),
+            images=self.images[index].clone(),
+            seeds=self.seeds[index].clone(),
+            prompt_embeds=self.prompt_embeds.select(self.embed_row[first]),
+            embed_row=slot,
+            prompt_index=prompt_index.clone(),
+            sample_index=self.sample_index[index].clone(),
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Trajectory]) -> Trajectory:
+        """The samples of ``parts`` in order; they must share version, sampling and schedule.
+
+        Raises:
+            ValueError: no parts, or parts that were not sampled alike (naming what differs).
+        """
+        if not parts:
+            raise ValueError("Trajectory.cat needs at least one part")
+        first = parts[0]
+        for name in ("policy_version", "sampling"):
+            values = {repr(getattr(p, name)) for p in parts}
+            if len(values) > 1:
+                raise ValueError(f"cannot concatenate trajectories with different {name}: {sorted(values)}")
+        for p in parts[1:]:
+            if not (torch.equal(p.sigmas, first.sigmas) and torch.equal(p.step_indices, first.step_indices)):
+                raise ValueError("cannot concatenate trajectories with different schedules or SDE windows")
+        offsets = torch.tensor([0] + [len(p.prompt_embeds) for p in parts[:-1]]).cumsum(0)
+        return replace(
+            first,
+            latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            images=torch.cat([p.images for p in parts]),
+            seeds=torch.cat([p.seeds for p in parts]),
+            prompt_embeds=PromptEmbeds.cat([p.prompt_embeds for p in parts]),
+            embed_row=torch.cat([p.embed_row + int(off) for p, off in zip(parts, offsets)]),
+            prompt_index=torch.cat([p.prompt_index for p in parts]),
+            sample_index=torch.cat([p.sample_index for p in parts]),
+        )
 
 
 @dataclass
@@ -202,7 +284,7 @@ class TrajectoryBatch:
     rewards: dict[str, torch.Tensor]
     advantages: torch.Tensor
     metrics: dict[str, float]
-    request_id: str = ""
+    request_id: str
 
     def __len__(self) -> int:
         return len(self.trajectory)
@@ -223,7 +305,9 @@ class RolloutRequest(BaseModel):
 
     prompts: list[str] = Field(..., min_length=1, description="Prompts; each becomes one group.")
     group_size: int = Field(..., ge=1, description="Samples per prompt.")
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingOverrides = Field(
+        default_factory=SamplingOverrides, description="Sampling settings to change; the app's config fills the rest."
+    )
     seed: int | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
     policy_version: int | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
     return_images: bool = Field(False, description="HTTP only: include PNG images (base64) in the answer.")

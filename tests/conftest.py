@@ -53,3 +53,27 @@ def tiny_policy(tiny_qwen_dir):
     from serve_app.policies import load_policy
 
     return load_policy(tiny_qwen_dir, family="qwen_image")
+
+
+@pytest.fixture(scope="session")
+def start_local_app(flowgrpo_home):
+    """start_local_app(config, overrides, name=...) -> the ingress handle of the whole app in Serve's
+    local testing mode (serve_app.app.run_local: one process, no cluster)."""
+    from serve_app.app import AppArgs, run_local
+
+    def start(config: str = "diffusion_rollout", overrides=(), *, name: str):
+        return run_local(AppArgs(config=config, overrides=list(overrides)), name=name)
+
+    return start
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need a CUDA device: skipped, with the reason, on machines without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

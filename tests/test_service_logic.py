@@ -1,5 +1,7 @@
 """The plain classes under the deployments, without Ray: planner -> engine -> assembler."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from serve_app.flowgrpo.sampler import sample_group
 from serve_app.planner import RolloutPlanner
 from serve_app.rewards import CompositeReward, RewardError, RewardSpec
 from serve_app.schemas import RolloutRequest, SamplingParams
-from serve_app.weights import WeightStore
+from serve_app.weights import LoraSpec, WeightStore
 
 SAMPLING = SamplingParams(height=32, width=32, num_steps=4, guidance_scale=4.0, noise_level=1.0,
                           sde_window_size=2, sde_window_range=(0, 2))
@@ -84,9 +86,9 @@ def test_engine_and_assembler_reproduce_the_in_process_rollout(planner, engine, 
     request = RolloutRequest(prompts=["a cat", "a dog"], group_size=4, seed=11)
     plan = planner.plan(request)
     chunk_trajectories = [t for c in plan.chunks for t in engine.generate([c])[0]]
-    batch = assembler.assemble(chunk_trajectories, plan.prompts, plan.group_size)
+    batch = assembler.assemble(chunk_trajectories, plan.prompts, plan.group_size, request_id=plan.request_id)
     reference = sample_group(
-        tiny_policy, planner.text_processor.tokenize(plan.prompts), 4, plan.chunks[0].sampling
+        tiny_policy, planner.text_processor.tokenize(plan.prompts), 4, plan.chunks[0].sampling, policy_version=0
     )
     t = batch.trajectory
     assert t.prompt_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -111,10 +113,13 @@ def test_engine_fuses_chunks_into_one_batch_with_identical_results(planner, engi
         assert torch.equal(a.seeds, b.seeds)
 
 
-def test_engine_rejects_an_unpublished_version(planner, engine):
-    plan = planner.plan(RolloutRequest(prompts=["a"], group_size=1, policy_version=7))
+def test_planner_and_engine_reject_an_unpublished_version(planner, engine):
+    # The planner checks before fan-out; the engine still refuses a chunk that names a missing version.
+    with pytest.raises(PolicyVersionError, match="policy version 7 does not exist; available: 0"):
+        planner.plan(RolloutRequest(prompts=["a"], group_size=1, policy_version=7))
+    chunk = planner.plan(RolloutRequest(prompts=["a"], group_size=1)).chunks[0]
     with pytest.raises(PolicyVersionError, match="version 7"):
-        engine.generate(plan.chunks)
+        engine.generate([dataclasses.replace(chunk, policy_version=7)])
 
 
 def test_merge_rejects_missing_and_duplicated_samples(planner, engine):
@@ -140,7 +145,93 @@ def test_failing_reward_names_reward_and_prompt(planner, engine):
         failing = TrajectoryAssembler(CompositeReward([RewardSpec(name="broken_reward_mod:broken")]), AdvantageConfig())
         plan = planner.plan(RolloutRequest(prompts=["a red cube"], group_size=2, seed=1))
         with pytest.raises(RewardError, match="a red cube") as info:
-            failing.assemble(engine.generate(plan.chunks)[0], plan.prompts, 2)
+            failing.assemble(engine.generate(plan.chunks)[0], plan.prompts, 2, request_id=plan.request_id)
         assert "broken" in str(info.value)
     finally:
         del sys.modules["broken_reward_mod"]
+
+
+def test_request_sampling_is_validated_after_the_app_defaults_are_merged(tiny_policy):
+    # The app's window range [0, 2) allows 4 steps; the class default (0, 5) would not.
+    app_sampling = SAMPLING.model_copy(update={"num_steps": 10})
+    planner = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(), app_sampling)
+    plan = planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"num_steps": 4}))
+    assert plan.chunks[0].sampling.num_steps == 4 and plan.chunks[0].sampling.sde_window_range == (0, 2)
+    with pytest.raises(InvalidRequestError) as info:
+        planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"num_steps": 2}))
+    # The error names the field and the merged values it compared.
+    assert info.value.field == "sampling"
+    assert "sde_window_range=(0, 2)" in info.value.message and "got num_steps=2" in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"noise_level": -1}))
+    assert info.value.field == "sampling.noise_level" and "(got -1" in info.value.message
+
+
+@pytest.fixture
+def own_policy(tiny_qwen_dir):
+    """A policy of its own: these tests install adapters, which must not leak into the shared one."""
+    from serve_app.policies import load_policy
+
+    return load_policy(tiny_qwen_dir, family="qwen_image")
+
+
+def test_latest_is_resolved_once_per_request(own_policy, assembler, tmp_path):
+    tiny_policy = own_policy
+    store = WeightStore(tmp_path / "weights")
+    planner = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(chunk_size=2), SAMPLING, store)
+    assert planner.plan(RolloutRequest(prompts=["a"], group_size=1)).policy_version == 0
+    lora = {k: v for k, v in _lora_state(tiny_policy).items()}
+    store.publish(1, lora, kind="lora", lora=_SPEC)
+    plan = planner.plan(RolloutRequest(prompts=["a cat", "a dog"], group_size=2, seed=4))
+    assert plan.policy_version == 1 and {c.policy_version for c in plan.chunks} == {1}
+    # A version published while the request runs does not split it: every chunk runs at 1.
+    versions_engine = RolloutEngine(tiny_policy, store)
+    first = versions_engine.generate(plan.chunks[:1])[0]
+    store.publish(2, lora, kind="lora", lora=_SPEC)
+    rest = versions_engine.generate(plan.chunks[1:])[0]
+    batch = assembler.assemble([*first, *rest], plan.prompts, plan.group_size, request_id=plan.request_id)
+    assert batch.policy_version == 1
+
+
+_SPEC = LoraSpec(rank=2, alpha=2.0, target_modules=["to_q"])
+
+
+def _lora_state(policy) -> dict[str, torch.Tensor]:
+    """The tensors of a nonzero rank-2 adapter on to_q, as the trainer would publish them."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+
+    transformer = copy.deepcopy(policy.transformer)
+    transformer.add_adapter(_SPEC.peft_config(), adapter_name="published")
+    state = get_peft_model_state_dict(transformer, adapter_name="published")
+    return {k: torch.full_like(v, 0.01) for k, v in state.items()}
+
+
+def test_health_check_runs_a_forward_and_fails_on_a_broken_replica(own_policy, tmp_path):
+    tiny_policy = own_policy
+    store = WeightStore(tmp_path / "weights")
+    engine = RolloutEngine(tiny_policy, store)
+    engine.check_health()  # a one-step forward of the smallest image: finite
+    store.publish(1, _lora_state(tiny_policy), kind="lora", lora=_SPEC)
+    engine.prefetch(1)
+    engine.check_health()
+    # The version it holds disappears from the store: the replica can no longer be trusted to serve it.
+    import shutil
+
+    shutil.rmtree(store.root / "v00000001")
+    with pytest.raises(RuntimeError, match="version 1 is loaded but gone"):
+        engine.check_health()
+    engine.versions.ensure(0)
+    # Weights that compute NaN fail the probe.
+    weight = next(p for n, p in tiny_policy.transformer.named_parameters() if n.endswith("proj_out.weight"))
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.fill_(float("nan"))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            engine.check_health()
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    engine.check_health()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.flowgrpo.sde import SDEStepResult, draw_noise, sde_step
-from serve_app.flowgrpo.seeding import derive_sample_seed, draw_window_start, fresh_request_seed, sample_generators
+from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout, sample_generators
 from serve_app.policies.base import DiffusionPolicy, images_to_uint8
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams, Trajectory
 
@@ -128,7 +128,7 @@ def rollout(
     window_start: int | None,
     prompt_index: torch.Tensor,
     sample_index: torch.Tensor,
-    policy_version: int = 0,
+    policy_version: int,
 ) -> Trajectory:
     """Sample B trajectories (B = len(seeds)) and record the SDE window's latents and log-probs.
 
@@ -173,7 +173,7 @@ def sample_group(
     params: SamplingParams,
     *,
     negative: PromptTokens | None = None,
-    policy_version: int = 0,
+    policy_version: int,
 ) -> Trajectory:
     """`group_size` samples of each prompt in one batch; seeds derive from `params.seed`.
 
@@ -184,12 +184,7 @@ def sample_group(
     if not prompts:
         raise ValueError("prompts must not be empty")
     request_seed = params.seed if params.seed is not None else fresh_request_seed()
-    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)  # AABB: a group is contiguous
-    sample_index = torch.arange(group_size).repeat(len(prompts))
-    seeds = torch.tensor(
-        [derive_sample_seed(request_seed, int(p), int(s)) for p, s in zip(prompt_index, sample_index)],
-        dtype=torch.long,
-    )
+    prompt_index, sample_index, seeds = group_layout(request_seed, len(prompts), group_size)
     window_start = None if params.sde_window_size is None else draw_window_start(request_seed, params.sde_window_range)
     conditioning = encode_conditioning(policy, prompts, prompt_index, negative, params)
     return rollout(

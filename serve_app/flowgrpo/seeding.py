@@ -28,3 +28,15 @@ def draw_window_start(request_seed: int, window_range: tuple[int, int]) -> int:
 
 def fresh_request_seed() -> int:
     return random.SystemRandom().randrange(0, 2**63)
+
+
+def group_layout(request_seed: int, num_prompts: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The samples of a request in AABB order (a group is contiguous): prompt_index, sample_index and
+    seeds, each [num_prompts * group_size] long - the same for the service and an in-process rollout."""
+    prompt_index = torch.arange(num_prompts).repeat_interleave(group_size)
+    sample_index = torch.arange(group_size).repeat(num_prompts)
+    seeds = torch.tensor(
+        [derive_sample_seed(request_seed, int(p), int(s)) for p, s in zip(prompt_index, sample_index)],
+        dtype=torch.long,
+    )
+    return prompt_index, sample_index, seeds

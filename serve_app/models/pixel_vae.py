@@ -1,7 +1,7 @@
 """A pixel-space "VAE" for QwenImagePipeline: space-to-depth and back, no weights.
 
-The shapes-world model works on 32x32 pixels directly. Learning an autoencoder for flat-coloured
-shapes would add a lossy stage (and a training run) in front of what RL should fix, so this
+For a model that works on small images directly (flat-coloured procedural scenes, say), a learned
+autoencoder would add a lossy stage and a training run in front of what RL should fix, so this
 component only rearranges pixels: ``encode`` folds each ``patch_size x patch_size`` block of RGB
 into ``3 * patch_size**2`` channels, ``decode`` unfolds them. Both are exact inverses, values stay
 in the pipeline's [-1, 1] pixel range, and the latent statistics are identity (mean 0, std 1).
@@ -11,10 +11,9 @@ It keeps the interface QwenImagePipeline and our QwenImagePolicy use of Autoenco
 ``encode(x).latent_dist`` and ``decode(z, return_dict=False)[0]``; the pipeline derives its
 ``vae_scale_factor`` as ``2 ** len(vae.temperal_downsample)``.
 
-``model_index.json`` names it as ``["serve_app.models.pixel_vae", "PixelPatchVAE"]``; diffusers
-imports that module and accepts the class because the module exposes ``ModelMixin``, which
-``from_pretrained`` looks up by name to choose the loading method.
-"""
+A checkpoint's ``model_index.json`` names it as ``["serve_app.models.pixel_vae", "PixelPatchVAE"]``.
+diffusers imports no module a checkpoint names, so a model config lists it under ``components``
+(``vae: serve_app.models.pixel_vae:PixelPatchVAE``) and the policy loads it itself."""
 
 from __future__ import annotations
 

@@ -1,21 +1,23 @@
 """Named embedded checkpoints, built on first use into a shared cache directory.
 
-Several Ray replicas may ask for the same model at once. Builds therefore run under an
-``fcntl`` lock and write into a temporary sibling directory that is renamed into place
-in one step, so no process ever sees a half-written model directory.
+Several Ray replicas may ask for the same model at once. Builds therefore run under a
+``filelock.FileLock`` and write into a temporary sibling directory that is renamed into
+place in one step, so no process ever sees a half-written model directory.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
+
+from filelock import FileLock
+
+from serve_app.imports import import_object, is_import_path
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -72,14 +74,10 @@ def _qwen2_tokenizer(out_dir: Path) -> Path:
     return build_qwen2_tokenizer(out_dir)
 
 
-# Pretrained in pixel space on the shapes world (see its README.md for the command and figures).
-SHIPPED_CHECKPOINTS = Path(__file__).parent / "checkpoints"
-
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-qwen-image": EmbeddedModel("qwen_image", build=_tiny_qwen_image),
     "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
-    "shapes-qwen-image": EmbeddedModel("qwen_image", shipped=SHIPPED_CHECKPOINTS / "shapes-qwen-image"),
 }
 
 
@@ -88,22 +86,11 @@ def flowgrpo_home() -> Path:
     return Path(os.environ.get("FLOWGRPO_HOME", "~/.cache/flowgrpo-serve")).expanduser()
 
 
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def _build_once(target: Path, build: Callable[[Path], object]) -> Path:
     """Runs ``build(tmp_dir)`` and renames ``tmp_dir`` to ``target`` unless ``target`` exists."""
     if target.is_dir():
         return target
-    with _exclusive(target.parent / f".{target.name}.lock"):
+    with FileLock(target.parent / f".{target.name}.lock"):
         # Another process may have finished the build while this one waited for the lock.
         if target.is_dir():
             return target
@@ -128,19 +115,17 @@ def ensure_qwen2_tokenizer() -> Path:
 def ensure_embedded_model(name: str) -> Path:
     """Directory of the embedded model ``name``, building it on first use.
 
-    The result is ``flowgrpo_home()/models/<name>-<BUILD_VERSION>`` (a shipped checkpoint: its
-    directory in the package) and loads with the matching diffusers pipeline's
-    ``from_pretrained(path, local_files_only=True)``.
+    ``name`` is a key of EMBEDDED_MODELS or a ``"package.module:attr"`` path to an EmbeddedModel
+    (how a world outside the core ships its own model). The result is
+    ``flowgrpo_home()/models/<name>-<BUILD_VERSION>`` (a shipped checkpoint: its directory in its
+    package) and loads with the matching diffusers pipeline's ``from_pretrained(path, local_files_only=True)``.
     """
-    try:
-        model = EMBEDDED_MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(sorted(EMBEDDED_MODELS))}") from None
+    model = _embedded(name)
     if model.shipped is not None:
         if not (model.shipped / "model_index.json").is_file():
             raise FileNotFoundError(f"the shipped checkpoint {name!r} is missing from {model.shipped}")
         return model.shipped
-    target = flowgrpo_home() / "models" / f"{name}-{BUILD_VERSION}"
+    target = flowgrpo_home() / "models" / f"{name.replace(':', '.')}-{BUILD_VERSION}"
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -148,3 +133,18 @@ def ensure_embedded_model(name: str) -> Path:
     build = model.build
     assert build is not None  # an EmbeddedModel has a builder or a shipped directory
     return _build_once(target, lambda tmp: build(tmp, tokenizer_dir=tokenizer_dir))
+
+
+def _embedded(name: str) -> EmbeddedModel:
+    if is_import_path(name):
+        model = import_object(name, what="embedded model")
+        if not isinstance(model, EmbeddedModel):
+            raise ValueError(f"{name!r} is a {type(model).__name__}, not an EmbeddedModel")
+        return model
+    try:
+        return EMBEDDED_MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown embedded model {name!r}; known: {', '.join(sorted(EMBEDDED_MODELS))} "
+            "(or a 'package.module:attr' path to an EmbeddedModel)"
+        ) from None

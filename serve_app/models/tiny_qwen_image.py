@@ -31,7 +31,7 @@ from diffusers import (
 )
 from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
+from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID, build_qwen2_tokenizer, place_tokenizer_json
 
 __all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder", "qwen_image_transformer"]
 
@@ -196,9 +196,10 @@ def qwen25vl_text_encoder(
 
 
 def _text_encoder(spec: _Spec) -> Qwen2_5_VLForConditionalGeneration:
+    # bos is <|endoftext|> as in Qwen2.5-VL's config.json (the tokenizer never emits one).
     return qwen25vl_text_encoder(
         vocab_size=_TEXT_VOCAB_SIZE, hidden_size=spec.text_dim, layers=spec.text_layers, heads=spec.text_heads,
-        mrope_section=spec.text_mrope, pad_id=151643, eos_id=151645, bos_id=151643,
+        mrope_section=spec.text_mrope, pad_id=QWEN2_PAD_ID, eos_id=QWEN2_EOS_ID, bos_id=QWEN2_PAD_ID,
     )
 
 

@@ -38,13 +38,12 @@ from transformers import (
     T5EncoderModel,
 )
 
-from .tokenizer import QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
 
 __all__ = ["SD3_MIN_IMAGE_SIZE", "build_tiny_sd3"]
 
 SD3_MIN_IMAGE_SIZE = 8
 
-_PAD_ID = 151643  # <|endoftext|>, the Qwen2 pad token
 _CLIP_MAX_LENGTH = 77
 _T5_MAX_LENGTH = 32
 _CLIP_DIM = 8  # hidden == projection width of each CLIP encoder
@@ -63,9 +62,9 @@ def _clip() -> CLIPTextModelWithProjection:
         num_attention_heads=2,
         max_position_embeddings=_CLIP_MAX_LENGTH,
         hidden_act="gelu",
-        pad_token_id=_PAD_ID,
-        bos_token_id=_PAD_ID,
-        eos_token_id=_PAD_ID,
+        pad_token_id=QWEN2_PAD_ID,
+        bos_token_id=QWEN2_PAD_ID,
+        eos_token_id=QWEN2_PAD_ID,
     )
     return CLIPTextModelWithProjection(config).eval()
 
@@ -81,8 +80,8 @@ def _t5() -> T5EncoderModel:
         relative_attention_num_buckets=8,
         relative_attention_max_distance=32,
         feed_forward_proj="gated-gelu",
-        pad_token_id=_PAD_ID,
-        eos_token_id=_PAD_ID,
+        pad_token_id=QWEN2_PAD_ID,
+        eos_token_id=QWEN2_PAD_ID,
     )
     return T5EncoderModel(config).eval()
 

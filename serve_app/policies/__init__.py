@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -66,10 +67,12 @@ def load_policy(
     family: str | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    components: Mapping[str, str] | None = None,
 ) -> DiffusionPolicy:
-    """Load a pipeline directory; `family` is checked against what the directory holds."""
+    """Load a pipeline directory; `family` is checked against what the directory holds, `components`
+    name the classes of components diffusers does not know (DiffusionPolicy.from_pretrained)."""
     found = _checked_family(local_dir, family)
-    return policy_class(found).from_pretrained(local_dir, device=device, dtype=dtype)
+    return policy_class(found).from_pretrained(local_dir, device=device, dtype=dtype, components=components)
 
 
 def load_text_processor(local_dir: str | Path, *, family: str | None = None) -> TextProcessor:
@@ -103,4 +106,6 @@ def model_dir(model: ModelConfig) -> Path:
 def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
     """What the replicas and the trainer both load, so their weights at version 0 are the same."""
     device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_policy(model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype])
+    return load_policy(
+        model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype], components=model.components
+    )

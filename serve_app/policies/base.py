@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import copy
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,6 +20,7 @@ import torch
 
 from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
+from serve_app.imports import import_object
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
 
@@ -69,9 +70,23 @@ class DiffusionPolicy(abc.ABC):
 
     @classmethod
     def from_pretrained(
-        cls, local_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        local_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        components: Mapping[str, str] | None = None,
     ) -> DiffusionPolicy:
-        pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype)
+        """Load a pipeline directory; ``components`` maps a component folder to the
+        ``"package.module:Class"`` whose ``from_pretrained`` loads it (classes outside diffusers and
+        transformers, which diffusers will not import for a checkpoint)."""
+        own = {
+            name: import_object(path, what=f"pipeline component {name!r}").from_pretrained(
+                str(Path(local_dir) / name), local_files_only=True
+            )
+            for name, path in (components or {}).items()
+        }
+        pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype, **own)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in cls._frozen_modules(pipeline):

@@ -12,9 +12,6 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from transformers import AutoTokenizer
 
-# diffusers loads a component class from a non-diffusers module only once that module is imported;
-# the shapes-world checkpoint's model_index.json names this pixel-space VAE.
-from serve_app.models import pixel_vae  # noqa: F401
 from serve_app.policies.base import DiffusionPolicy, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens
 

@@ -29,6 +29,3 @@ __all__ = [
     "saturation",
 ]
 
-# Registers "shapes_strict" and "shapes_partial". Kept last: serve_app.shapes.rewards imports
-# .registry back, which must be complete when the shapes module is imported first.
-from ..shapes import rewards as _shapes_rewards  # noqa: E402,F401

@@ -60,8 +60,9 @@ def _unique_keys(names: Sequence[str]) -> list[str]:
 class CompositeReward:
     """Builds every component once, then scores batches with all of them.
 
-    ``score`` returns float32 CPU tensors ``[B]``: one per component, keyed by its spec name
-    (repeats become ``name_1``, ``name_2``, ...), and ``"total"``, the weighted sum.
+    ``score`` returns float32 CPU tensors ``[B]``: one per component, keyed by its spec name (the
+    attribute of an import path; repeats become ``name_1``, ``name_2``, ...), and ``"total"``, the
+    weighted sum.
     """
 
     def __init__(self, specs: Sequence[RewardSpec | dict]) -> None:
@@ -70,7 +71,8 @@ class CompositeReward:
         self.specs: tuple[RewardSpec, ...] = tuple(
             s if isinstance(s, RewardSpec) else RewardSpec.model_validate(s) for s in specs
         )
-        self.keys: tuple[str, ...] = tuple(_unique_keys([s.name for s in self.specs]))
+        # An import path reports under its attribute name: "pkg.mod:sharpness" -> "sharpness".
+        self.keys: tuple[str, ...] = tuple(_unique_keys([s.name.rpartition(":")[2] for s in self.specs]))
         self._fns: tuple[RewardFn, ...] = tuple(build_reward(s.name, **s.args) for s in self.specs)
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -89,8 +91,8 @@ class CompositeReward:
             try:
                 raw = fn(images, prompts)
             except Exception as e:
-                raise RewardError(key, prompt, f"{type(e).__name__}: {e}") from e
-            values = self._checked(key, prompt, raw, batch)
+                raise RewardError(spec.name, prompt, f"{type(e).__name__}: {e}") from e
+            values = self._checked(spec.name, prompt, raw, batch)
             out[key] = values
             total += spec.weight * values
         out[TOTAL_KEY] = total

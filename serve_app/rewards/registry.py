@@ -8,11 +8,12 @@ configuration stays plain data that can travel to any Ray worker.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
+
+from serve_app.imports import import_object, is_import_path
 
 
 class RewardFn(Protocol):
@@ -62,8 +63,8 @@ def build_reward(name: str, **kwargs: Any) -> RewardFn:
         ValueError: unknown name, unimportable path, bad arguments or a non-callable result.
     """
     _load_builtins()
-    if ":" in name:
-        target = _import_attr(name)
+    if is_import_path(name):
+        target = import_object(name, what="reward")
         if _is_plain_reward(target):
             if kwargs:
                 raise ValueError(f"reward {name!r} is a plain reward callable and takes no args, got {sorted(kwargs)}")
@@ -84,22 +85,6 @@ def _load_builtins() -> None:
 
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-def _import_attr(path: str) -> Any:
-    module_name, _, attr_path = path.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"invalid reward import path {path!r}; expected 'package.module:attribute'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {module_name!r} for reward {path!r}: {e}") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise ValueError(f"module {module_name!r} has no attribute {attr_path!r} (reward {path!r})") from e
-    return obj
 
 
 def _is_plain_reward(obj: Any) -> bool:

@@ -1,7 +1,9 @@
 """Shapes world: procedural 32x32 scenes of coloured shapes, their prompts and a rule-based checker.
 
-The rewards built on the checker live in ``serve_app.shapes.rewards`` and are registered when
-``serve_app.rewards`` is imported; this package itself needs only numpy.
+The core knows nothing of this world: configs name its parts by import path - the model
+(``serve_app.shapes.model:SHAPES_QWEN_IMAGE``), the rewards (``serve_app.shapes.rewards``), the
+trainer's prompts and evaluator (``serve_app.shapes.evaluation``). Importing this package itself
+needs only numpy.
 """
 
 from .checker import DEFAULT_PARAMS, UNKNOWN, CheckParams, DetectedObject, Verdict, check, detect

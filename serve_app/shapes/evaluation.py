@@ -1,18 +1,22 @@
 """Shapes-world evaluation: a fixed prompt x seed set, accuracies from the checker, labelled grids.
 
 The same numbers come from three places - pretraining, the FlowGRPO trainer (through the deployed
-app) and benchmarks/bench_learning.py (in process) - so they are computed here, once.
+app, as `ShapesEvaluator`) and benchmarks/bench_learning.py - so they are computed here, once.
 
     accuracies = score_images(images, prompts)   # {"strict_accuracy": ..., "partial_score": ..., ...}
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from serve_app.trainer.evaluation import Evaluator
 
 from .checker import Verdict, check
 from .scene import parse_prompt, split_prompts
@@ -93,3 +97,65 @@ def save_labelled_grid(images: torch.Tensor | np.ndarray, prompts: Sequence[str]
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def train_prompts() -> list[str]:
+    """The train split: the trainer's `prompt_source` in configs/trainer/shapes.yaml."""
+    return eval_prompts("train")
+
+
+class ShapesEvaluator(Evaluator):
+    """The checker's accuracies per grammar split, labelled grids and the accuracy plot
+    (`trainer.evaluation.evaluator: serve_app.shapes.evaluation:ShapesEvaluator`)."""
+
+    columns = EVAL_COLUMNS
+    headline = "strict_accuracy"
+
+    def __init__(self, config: Any, *, splits: Sequence[str] = ("held_out",)) -> None:
+        self._splits = {split: eval_prompts(split) for split in splits}  # unknown names fail here
+        if not self._splits:
+            raise ValueError("ShapesEvaluator needs at least one split (train, held_out or all)")
+
+    def splits(self) -> dict[str, list[str]]:
+        return dict(self._splits)
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+        return score_images(images, prompts)
+
+    def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str) -> None:
+        save_labelled_grid(images, prompts, path, columns=columns, title=title)
+
+    def plot(self, rows: list[dict[str, Any]], out: Path) -> None:
+        plot_accuracy(rows, out / "eval_accuracy.png")
+
+    def format(self, value: float) -> str:
+        return f"{value:.1%}"
+
+    def describe_change(self, first: float, last: float) -> str:
+        return f"{first:.1%} -> {last:.1%} ({100 * (last - first):+.1f} points)"
+
+
+def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
+    """Every accuracy column of eval.csv against the training step, one line style per split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    splits = list(dict.fromkeys(r.get("split", "") for r in rows))
+    for split, line in zip(splits, ("-", ":", "--")):
+        mine = [r for r in rows if r.get("split", "") == split]
+        steps = [r["step"] for r in mine]
+        for column, colour in zip(EVAL_COLUMNS, ("k", "tab:purple", "tab:blue", "tab:red", "tab:green")):
+            strict = column == "strict_accuracy"
+            ax.plot(steps, [r.get(column, math.nan) for r in mine], line, color=colour, marker="o" if strict else None,
+                    linewidth=2.5 if strict else 1, label=f"{column} ({split})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("accuracy (ODE, fixed seeds)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,11 +1,12 @@
 """Pretrain the shapes-world model with the rectified-flow loss on procedurally rendered scenes.
 
-    python -m serve_app.shapes.pretrain --config configs/shapes/pretrain.yaml --out /tmp/shapes-model
+    python -m serve_app.shapes.pretrain --config shapes/pretrain --out /tmp/shapes-model [key=value ...]
 
 writes a diffusers pipeline directory (weights in the config's `save_dtype`), `pretrain.yaml` (the
 resolved config) and `pretrain_log.jsonl` (loss and evaluations). The shipped checkpoint
-(serve_app/models/checkpoints/shapes-qwen-image) is this command's output with the committed
-config; its README records the command and the figures.
+(serve_app/shapes/checkpoints/shapes-qwen-image) is this command's output with the committed
+config (configs/shapes/pretrain.yaml, loaded like every config: serve_app.config_loader); its README
+records the command and the figures.
 
 Training pairs come from the `train` split of the grammar only, so the `held_out` prompts the
 FlowGRPO demo evaluates on are unseen here too. Everything is seeded: model init, scene sampling,
@@ -15,68 +16,66 @@ noise and timesteps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from pydantic import Field
 
-from serve_app.models.shapes_qwen_image import ShapesModelSpec, build_shapes_qwen_image, save_shapes_pipeline
+from serve_app.config import _Section
+from serve_app.config_loader import config_to_yaml, load_config
+from serve_app.trainer.ema import EMAModel, averaged_weights
 
 from .evaluation import eval_prompts, score_images
+from .model import ShapesModelSpec, build_shapes_qwen_image, save_shapes_pipeline
 from .scene import parse_prompt, render
 
 
-@dataclass
-class EvalSettings:
-    every: int = 1000  # steps between evaluations; 0 = only at the end
-    samples_per_prompt: int = 4
-    num_steps: int = 20
-    guidance_scale: float = 1.0
-    seed: int = 1234
+class EvalSettings(_Section):
+    """The ODE evaluations during pretraining (train and held-out prompts x fixed seeds)."""
+
+    every: int = Field(1000, ge=0, description="Steps between evaluations; 0 = only at the end.")
+    samples_per_prompt: int = Field(4, ge=1, description="Fixed seeds per prompt.")
+    num_steps: int = Field(20, ge=1, le=1000, description="ODE steps (the bound of SamplingParams.num_steps).")
+    guidance_scale: float = Field(1.0, ge=0, description="True CFG scale (1 = off).")
+    seed: int = Field(1234, ge=0, description="Request seed of the evaluation samples.")
 
 
-@dataclass
-class PretrainConfig:
-    model: ShapesModelSpec = field(default_factory=ShapesModelSpec)
-    seed: int = 0
-    steps: int = 4000
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup_steps: int = 200
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
-    prompt_dropout: float = 0.1  # share of pairs trained on the negative prompt, so true CFG works
-    negative_prompt: str = " "
-    ema_decay: float = 0.999  # the shipped weights are the EMA; 0 ships the raw weights
-    logit_normal_mean: float = 1.0  # sigma = sigmoid(N(mean, std)): SD3's timestep density, shifted to high noise
-    logit_normal_std: float = 1.0
-    image_size: int = 32
-    scene_grid: int = 8  # object corners on multiples of 8 px: 3 x 3 places (scene.render's `grid`)
-    scene_sizes: tuple[int, ...] = (12, 16)  # object sides in px; () draws them from scene.SIZE_RANGE
-    torch_threads: int = 2
-    save_dtype: str = "bfloat16"
-    eval: EvalSettings = field(default_factory=EvalSettings)
+class PretrainConfig(_Section):
+    """configs/shapes/pretrain.yaml."""
+
+    model: ShapesModelSpec = Field(default_factory=ShapesModelSpec, description="The architecture.")
+    seed: int = Field(0, ge=0, description="Seeds model init, scenes, noise and timesteps.")
+    steps: int = Field(4000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Scenes per step.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate after warm-up.")
+    warmup_steps: int = Field(200, ge=0, description="Linear learning-rate warm-up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip_norm: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    prompt_dropout: float = Field(0.1, ge=0, le=1, description="Share of pairs trained on the negative prompt (for CFG).")
+    negative_prompt: str = Field(" ", description="The prompt of dropped pairs.")
+    ema_decay: float = Field(0.999, ge=0, lt=1, description="EMA of the weights is what ships; 0 ships the raw weights.")
+    logit_normal_mean: float = Field(1.0, description="sigma = sigmoid(N(mean, std)): SD3's density, shifted to high noise.")
+    logit_normal_std: float = Field(1.0, gt=0, description="Spread of the training sigmas.")
+    image_size: int = Field(32, ge=8, description="Scene side in pixels.")
+    scene_grid: int = Field(8, ge=1, description="Object corners on multiples of this many px (scene.render's grid).")
+    scene_sizes: tuple[int, ...] = Field((12, 16), description="Object sides in px; () draws them from scene.SIZE_RANGE.")
+    torch_threads: int = Field(2, ge=1, description="torch intra-op threads.")
+    save_dtype: str = Field("bfloat16", description="dtype of the saved transformer and text encoder.")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Evaluations during the run.")
 
 
-def load_pretrain_config(path: str | Path | None, overrides: list[str] = ()) -> PretrainConfig:
-    """The YAML at `path` (if any) and dotted overrides over the defaults; unknown keys fail."""
-    schema = OmegaConf.structured(PretrainConfig)
-    parts = [schema]
-    if path is not None:
-        parts.append(OmegaConf.load(path))
-    parts.append(OmegaConf.from_dotlist(list(overrides)))
-    merged = OmegaConf.merge(*parts)
-    config = OmegaConf.to_object(merged)
-    config.scene_sizes = tuple(config.scene_sizes)
-    config.model = ShapesModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in asdict(config.model).items()})
-    return config
+def load_pretrain_config(name: str | Path = "shapes/pretrain", overrides: Sequence[str] = ()) -> PretrainConfig:
+    """A config under configs/ (or a .yaml path, such as a checkpoint's pretrain.yaml) with overrides;
+    unknown keys fail naming the key and the file or override."""
+    return load_config(str(name), overrides, schema=PretrainConfig)
 
 
 class SceneBatches:
@@ -116,7 +115,7 @@ def evaluate(policy, settings: EvalSettings, image_size: int) -> dict[str, dict[
     scores = {}
     for split in ("train", "held_out"):
         prompts = eval_prompts(split)
-        batch = sample_group(policy, processor.tokenize(prompts), settings.samples_per_prompt, params)
+        batch = sample_group(policy, processor.tokenize(prompts), settings.samples_per_prompt, params, policy_version=0)
         scores[split] = score_images(batch.images, [prompts[i] for i in batch.prompt_index.tolist()])
     return scores
 
@@ -140,7 +139,7 @@ def pretrain(config: PretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | N
         for module in trained:
             module.train()
         params = [p for m in trained for p in m.parameters()]
-        ema = [p.detach().clone() for p in params]
+        ema = EMAModel(params, decay=config.ema_decay) if config.ema_decay > 0 else None
         optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
         processor = policy.text_processor()
@@ -165,18 +164,14 @@ def pretrain(config: PretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | N
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip_norm)
             optimizer.step()
             schedule.step()
-            if config.ema_decay > 0:
-                # Warm-up (diffusers' EMAModel formula): early on the average follows the weights
-                # closely instead of keeping the random initialisation for thousands of steps.
-                decay = min(config.ema_decay, (1 + step) / (10 + step))
-                with torch.no_grad():
-                    torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - decay)
+            if ema is not None:
+                ema.step(params)
             losses.append(float(loss.detach()))
             last = step + 1 == config.steps
             if (config.eval.every and (step + 1) % config.eval.every == 0) or last:
                 entry = {"step": step + 1, "loss": float(np.mean(losses)), "minutes": (time.perf_counter() - started) / 60}
                 losses.clear()
-                with _weights_swapped(params, ema if config.ema_decay > 0 else params):
+                with averaged_weights(ema, params) if ema is not None else contextlib.nullcontext():
                     for module in trained:
                         module.eval()
                     entry["eval"] = evaluate(policy, config.eval, size)
@@ -193,7 +188,7 @@ def _save(pipe, config: PretrainConfig, log_lines: list[dict], out_dir: Path, st
     """The pipeline as it is now (a copy cast to save_dtype), its config and log -> out_dir, replaced."""
     snapshot = copy.deepcopy(pipe)
     save_shapes_pipeline(snapshot, staging, dtype=getattr(torch, config.save_dtype))
-    OmegaConf.save(OmegaConf.structured(config), staging / "pretrain.yaml")
+    (staging / "pretrain.yaml").write_text(config_to_yaml(config))
     (staging / "pretrain_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log_lines))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -202,33 +197,11 @@ def _save(pipe, config: PretrainConfig, log_lines: list[dict], out_dir: Path, st
     shutil.rmtree(staging)
 
 
-class _weights_swapped:
-    """Temporarily load `replacement` tensors into `params` (evaluating the EMA mid-training)."""
-
-    def __init__(self, params: list[torch.Tensor], replacement: list[torch.Tensor]) -> None:
-        self.params, self.replacement = params, replacement
-
-    def __enter__(self) -> None:
-        if self.replacement is self.params:
-            self.saved = None
-            return
-        self.saved = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, r in zip(self.params, self.replacement):
-                p.copy_(r)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.saved is not None:
-            with torch.no_grad():
-                for p, s in zip(self.params, self.saved):
-                    p.copy_(s)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/shapes/pretrain.yaml", help="YAML over PretrainConfig's defaults")
+    parser.add_argument("--config", default="shapes/pretrain", help="config name under configs/ or a .yaml path")
     parser.add_argument("--out", required=True, help="output pipeline directory (replaced)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=100 eval.every=50")
+    parser.add_argument("overrides", nargs="*", help="overrides, e.g. steps=100 eval.every=50")
     args = parser.parse_args(argv)
     config = load_pretrain_config(args.config, args.overrides)
     started = time.perf_counter()

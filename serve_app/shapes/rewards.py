@@ -1,8 +1,10 @@
 """Shapes-world rewards: each prompt is parsed with the scene grammar, each image checked.
 
-Registered as "shapes_strict" (1.0 when the image shows exactly what the prompt asks for, else
-0.0) and "shapes_partial" (``Verdict.partial``: mean of the count, colour and shape sub-scores).
-A prompt outside the grammar raises ValueError: it is a configuration error, not a low score.
+Reward factories named by import path in a reward config (configs/reward/shapes.yaml):
+``serve_app.shapes.rewards:shapes_strict`` (1.0 when the image shows exactly what the prompt asks
+for, else 0.0) and ``serve_app.shapes.rewards:shapes_partial`` (``Verdict.partial``: mean of the
+count, colour and shape sub-scores). A prompt outside the grammar raises ValueError: it is a
+configuration error, not a low score.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..rewards.registry import RewardFn, check_image_batch, register_reward
+from ..rewards.registry import RewardFn, check_image_batch
 from .checker import Verdict, check
 from .scene import parse_prompt
 
@@ -26,13 +28,11 @@ def _verdict_reward(score: Callable[[Verdict], float]) -> RewardFn:
     return reward
 
 
-@register_reward("shapes_strict")
 def shapes_strict() -> RewardFn:
     """1.0 if every asked object is there with the right colour and shape and nothing else, else 0.0."""
     return _verdict_reward(lambda v: float(v.strict))
 
 
-@register_reward("shapes_partial")
 def shapes_partial() -> RewardFn:
     """Mean of count, colour and shape sub-scores (see ``checker.Verdict``): 0, 1/3, 2/3 or 1."""
     return _verdict_reward(lambda v: v.partial)

@@ -1,4 +1,4 @@
-"""Checkpoints: trainable tensors (safetensors), optimizer state (torch.save) and a json of step/version.
+"""Checkpoints: trainable tensors (safetensors), optimizer and EMA state (torch.save), a json of step/version.
 
 A checkpoint directory is written under a temporary name and renamed over the old one, so a crash
 (or a diverged step, which never reaches here) leaves the previous checkpoint whole.
@@ -23,14 +23,17 @@ class CheckpointState:
     policy_version: int
     trainable: dict[str, torch.Tensor]
     optimizer: dict
+    ema: dict | None = None
 
 
 def save_checkpoint(directory: Path, *, step: int, policy_version: int, trainable: dict[str, torch.Tensor],
-                    optimizer: dict, extra: dict | None = None) -> Path:
+                    optimizer: dict, ema: dict | None = None, extra: dict | None = None) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     save_file({k: v.contiguous() for k, v in trainable.items()}, staging / "trainable.safetensors")
     torch.save(optimizer, staging / "optimizer.pt")
+    if ema is not None:
+        torch.save(ema, staging / "ema.pt")
     (staging / "state.json").write_text(json.dumps({"step": step, "policy_version": policy_version, **(extra or {})}))
     if directory.exists():
         old = directory.with_name(f".{directory.name}-old")
@@ -54,4 +57,5 @@ def load_checkpoint(directory: str | Path) -> CheckpointState:
         policy_version=int(state["policy_version"]),
         trainable=load_file(directory / "trainable.safetensors"),
         optimizer=torch.load(directory / "optimizer.pt", weights_only=True),
+        ema=torch.load(directory / "ema.pt", weights_only=True) if (directory / "ema.pt").is_file() else None,
     )

@@ -2,19 +2,21 @@
 
     cfg = load_trainer_config("trainer/flowgrpo", ["trainer.lr=1e-3"])
 
-The trainer composes the same files as the app (``defaults: [diffusion_rollout, _self_]``), so its
-model, sampling and weights directory agree with what the replicas run.
+The trainer composes the same files as the app (``defaults: [/diffusion_rollout, _self_]``), so its
+model, sampling and weights directory agree with what the replicas run. It reads the app's sections
+only to load the same checkpoint, send the same sampling and find the same weight store; settings of
+the deployments (advantages, rewards, resources) take effect where the app is deployed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from typing import Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
 from serve_app.config import RolloutConfig, _Section, load_config
+from serve_app.imports import import_object
 
 
 class LoraSection(_Section):
@@ -33,18 +35,12 @@ class LoraSection(_Section):
 class EvaluationSection(_Section):
     """What the ODE evaluations every `trainer.eval_every` steps measure (rows of eval.csv)."""
 
-    kind: Literal["reward", "shapes"] = Field(
-        "reward",
-        description="reward: mean configured reward; shapes: the shapes-world checker's accuracies "
-        "(strict, partial, count, colour, shape) with labelled grids and an accuracy plot.",
+    evaluator: str = Field(
+        "serve_app.trainer.evaluation:RewardEvaluator",
+        description="'package.module:attr' of an Evaluator factory, called as factory(config, **args): the prompt "
+        "splits, the metrics of eval.csv, grids and plots. Default: the mean configured reward.",
     )
-    prompts: list[str] | None = Field(
-        None, description="Evaluation prompts (reward kind); None: the first trainer prompts."
-    )
-    splits: list[Literal["held_out", "train"]] = Field(
-        default_factory=lambda: ["held_out"], min_length=1,
-        description="Shapes kind: grammar splits evaluated, one eval.csv row each (held_out: prompts never trained on).",
-    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the evaluator.")
     samples_per_prompt: int = Field(4, ge=1, description="Fixed-seed ODE samples per evaluation prompt.")
     grid_samples: int = Field(4, ge=1, description="Samples per prompt shown in the evaluation grids.")
 
@@ -58,14 +54,15 @@ class TrainerSection(_Section):
     prompts: list[str] = Field(
         default_factory=lambda: ["a photo of a cat"], min_length=1, description="Training prompts, used round-robin."
     )
-    shapes_prompts: Literal["train", "held_out", "all"] | None = Field(
-        None, description="Train on this split of the shapes-world grammar (shuffled with `seed`) instead of `prompts`."
+    prompt_source: str | None = Field(
+        None,
+        description="'package.module:attr' of a list of prompts (or a function returning one) that replaces `prompts`.",
     )
+    shuffle_prompts: bool = Field(False, description="Shuffle the prompts once, with `seed`, before the round-robin.")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the reference (base) policy.")
     clip_range: float = Field(1e-4, gt=0, lt=1, description="PPO clip range e of the ratio.")
-    adv_clip: float = Field(5.0, gt=0, description="Advantages are clamped to +-adv_clip.")
     grad_clip_norm: float = Field(1.0, gt=0, description="Max global gradient norm.")
     micro_batch_size: int = Field(8, ge=1, description="Rows per replayed forward pass.")
     grad_accum: int | None = Field(
@@ -80,6 +77,11 @@ class TrainerSection(_Section):
         0, ge=0, description="Steps between ODE evaluations (before training, every so many steps and at the end); 0 = never."
     )
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection, description="What evaluations measure.")
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1,
+        description="Keep an EMA of the trained weights (diffusers' EMAModel) and evaluate it, published as a "
+        "version of its own, instead of the raw weights; None = off.",
+    )
     image_every: int = Field(5, ge=0, description="Steps between grids of training images; 0 = never.")
     checkpoint_every: int = Field(10, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     prefetch: bool = Field(False, description="Push each new version to the live replicas ahead of requests.")
@@ -88,13 +90,11 @@ class TrainerSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
-        if self.shapes_prompts is not None:
-            import random
-
-            from serve_app.shapes.evaluation import eval_prompts
-
-            prompts = eval_prompts(self.shapes_prompts)
-            random.Random(self.seed).shuffle(prompts)
+        if self.prompt_source is not None:
+            source = import_object(self.prompt_source, what="prompt source")
+            prompts = list(source() if callable(source) else source)
+            if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+                raise ValueError(f"prompt_source {self.prompt_source!r} gave no prompts, or not only non-empty strings")
             self.prompts = prompts
         if self.prompts_per_step > len(self.prompts):
             raise ValueError(

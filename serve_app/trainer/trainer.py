@@ -14,6 +14,7 @@ One training step, top to bottom:
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,9 +27,11 @@ from serve_app.errors import PolicyVersionError
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.flowgrpo.sde import kl_between_means
 from serve_app.policies.base import DiffusionPolicy
+from serve_app.rewards import TOTAL_KEY
 from serve_app.schemas import SamplingParams, Trajectory, TrajectoryBatch
 from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
 from serve_app.trainer.config import TrainerRunConfig
+from serve_app.trainer.ema import EMAModel, averaged_weights
 from serve_app.trainer.evaluation import RunEvaluator
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
@@ -100,6 +103,11 @@ class FlowGRPOTrainer:
         self.step_seconds: list[float] = []
         self.images_sampled = 0  # rollout images so far (evaluations not counted)
         self.total_steps = self.cfg.steps
+        self.prompts = list(self.cfg.prompts)
+        if self.cfg.shuffle_prompts:
+            random.Random(self.cfg.seed).shuffle(self.prompts)
+        # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay).
+        self.ema = EMAModel(self.model.parameters(), decay=self.cfg.ema_decay) if self.cfg.ema_decay else None
         if resume is not None:
             self._resume(Path(resume))
         self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None)
@@ -146,7 +154,7 @@ class FlowGRPOTrainer:
                 f"step {step}: asked for policy version {self.version}, the rollout is stamped {batch.policy_version}"
             )
         trajectory = batch.trajectory
-        advantages = batch.advantages.float().clamp(-cfg.adv_clip, cfg.adv_clip)
+        advantages = batch.advantages.float()  # clipped by the app (aggregator.advantage.clip), once
         # 2. Update.
         train_started = time.perf_counter()
         stats = self._update(trajectory, advantages)
@@ -233,6 +241,8 @@ class FlowGRPOTrainer:
         stats.grad_norms.append(float(grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step(self.model.parameters())
 
     def _diverged(self, what: str) -> TrainingDivergedError:
         last = self.metrics.rows[-1] if self.metrics.rows else None
@@ -261,6 +271,7 @@ class FlowGRPOTrainer:
         return save_checkpoint(
             self.out / "checkpoint", step=self.step, policy_version=self.version,
             trainable=self.model.trainable_state(), optimizer=self.optimizer.state_dict(),
+            ema=None if self.ema is None else self.ema.state_dict(),
             extra={"app_name": self.config.app_name, "kind": self.model.kind},
         )
 
@@ -268,6 +279,8 @@ class FlowGRPOTrainer:
         state = load_checkpoint(directory)
         self.model.load_trainable_state(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
+        if self.ema is not None and state.ema is not None:
+            self.ema.load_state_dict(state.ema)
         self.step, self.version = state.step, state.policy_version
         if self.version > 0:
             # The replicas serve the store's tensors for this version; they must equal ours.
@@ -281,11 +294,16 @@ class FlowGRPOTrainer:
 
     # -- evaluation and outputs ---------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
-        """Fixed-seed ODE samples at the trainer's version after `self.step` updates: an eval.csv row and a grid."""
+    def evaluate(self) -> dict[str, Any]:
+        """Fixed-seed ODE samples after `self.step` updates: eval.csv rows and grids. With an EMA, its
+        weights are published as a version of their own and evaluated; training stays on `self.version`."""
         if self.evaluator is None:
             raise RuntimeError("evaluations are off (trainer.eval_every = 0)")
-        return self.evaluator.evaluate(self.step, self.version, train_minutes=sum(self.step_seconds) / 60,
+        version, weights = self.version, "policy"
+        if self.ema is not None and self.step > 0:
+            with averaged_weights(self.ema, self.model.parameters()):
+                version, weights = self.publish(), "ema"
+        return self.evaluator.evaluate(self.step, version, weights=weights, train_minutes=sum(self.step_seconds) / 60,
                                        images_sampled=self.images_sampled)
 
     def finish(self) -> None:
@@ -317,7 +335,7 @@ class FlowGRPOTrainer:
     # -- helpers ------------------------------------------------------------------------------
 
     def _prompts(self, step: int) -> list[str]:
-        prompts, n = self.cfg.prompts, self.cfg.prompts_per_step
+        prompts, n = self.prompts, self.cfg.prompts_per_step
         start = (step * n) % len(prompts)
         return [prompts[(start + i) % len(prompts)] for i in range(n)]
 
@@ -327,7 +345,7 @@ class FlowGRPOTrainer:
     def _row(self, step: int, batch: TrajectoryBatch, advantages: torch.Tensor, stats: UpdateStats,
              sample_s: float, train_s: float, weight_sync_s: float, step_s: float) -> dict[str, float]:
         ratios = torch.cat(stats.ratios)
-        total = batch.rewards["total"]
+        total = batch.rewards[TOTAL_KEY]
         n = len(batch)
         row = {
             "step": step,
@@ -353,6 +371,6 @@ class FlowGRPOTrainer:
             "eval_reward_mean": math.nan,
         }
         for key, value in batch.rewards.items():
-            if key != "total":
+            if key != TOTAL_KEY:
                 row[f"reward_{key}_mean"] = float(value.mean())
         return row

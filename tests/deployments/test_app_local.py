@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from ray import serve
-
-from serve_app.app import AppArgs, build_app, deployment_options
-from serve_app.config import load_config
+from pydantic import ValidationError
+from serve_app.app import AppArgs, build_app
+from serve_app.config import ConfigError
 from serve_app.errors import InvalidRequestError, RequestTooLargeError
 from serve_app.schemas import RolloutRequest, TrajectoryBatch
 
@@ -13,18 +12,10 @@ OVERRIDES = ["sampling.num_steps=4", "sampling.sde_window_range=[0,2]", "ingress
 
 
 @pytest.fixture(scope="module")
-def handle(flowgrpo_home):
-    # Ray 2.60's local testing mode sets no replica context, and @serve.batch's queue reads it only to
-    # log a sizing warning (ray-project/ray#48477 lists get_replica_context() as a follow-up). Skip that
-    # warning here; the real-cluster tests run @serve.batch unpatched.
-    from ray.serve.batching import _BatchQueue
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
-        app = build_app(AppArgs(config="diffusion_rollout", overrides=OVERRIDES))
-        # Local testing mode runs in this process and ends with it. No serve.shutdown() here: with no
-        # Ray initialized it would connect to (and so start) a Ray instance.
-        yield serve.run(app, name="flowgrpo-local", _local_testing_mode=True)
+def handle(start_local_app):
+    # Local testing mode runs in this process and ends with it. No serve.shutdown() here: with no
+    # Ray initialized it would connect to (and so start) a Ray instance.
+    return start_local_app("diffusion_rollout", OVERRIDES, name="flowgrpo-local")
 
 
 def test_rollout_by_handle_returns_whole_groups(handle):
@@ -56,17 +47,8 @@ def test_dict_requests_are_validated(handle):
         handle.rollout.remote({"prompts": ["a", "b"], "group_size": 7}).result()
 
 
-def test_deployment_options_come_from_the_config():
-    cfg = load_config("diffusion_rollout", ["replica.num_gpus=1", "replica.autoscaling.max_replicas=5"])
-    options = deployment_options(cfg)
-    replica = options["DiffusionReplica"]
-    assert replica["ray_actor_options"] == {"num_cpus": cfg.replica.num_cpus, "num_gpus": 1.0}
-    assert replica["autoscaling_config"]["max_replicas"] == 5
-    assert replica["max_ongoing_requests"] >= cfg.replica.max_batch_size
-
-
 def test_build_app_rejects_unknown_args_and_keys():
-    with pytest.raises(Exception, match="sampling.nosie_level"):
+    with pytest.raises(ConfigError, match="sampling.nosie_level"):
         build_app(AppArgs(overrides=["sampling.nosie_level=1"]))
-    with pytest.raises(Exception, match="extra"):
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         AppArgs.model_validate({"config": "diffusion_rollout", "bogus": 1})

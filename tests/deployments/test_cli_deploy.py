@@ -1,4 +1,8 @@
-"""`serve deploy serve_config.yaml` + `serve status` from the CLI, against `ray start --head` on loopback."""
+"""`serve deploy serve_config.yaml` + `serve status` from the CLI, against `ray start --head` on loopback.
+
+The head advertises one logical GPU (`--num-gpus 1` needs no device), so the README's GPU recipe
+deploys here too, with the tiny model forced onto the CPU.
+"""
 
 import os
 import shutil
@@ -51,7 +55,7 @@ def head_node(flowgrpo_home, tmp_path_factory):
     # `ray start --block` in its own session: killing that process group stops exactly this cluster,
     # where `ray stop` would stop every Ray cluster on the machine (and this test process's, if any).
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "2", "--port", str(gcs_port),
+        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "2", "--num-gpus", "1", "--port", str(gcs_port),
          "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
          "--dashboard-port", str(dashboard_port), "--disable-usage-stats",
          "--temp-dir", ray_tmp],
@@ -78,28 +82,70 @@ def head_node(flowgrpo_home, tmp_path_factory):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_serve_deploy_reaches_running_and_serves(head_node):
-    env, dashboard, config_file, http_port = head_node
+def _deploy(config_file: Path, env: dict, dashboard: str, *, until: str, timeout: float = 240) -> dict:
+    """`serve deploy` on an empty Serve, then `serve status` until the app reaches `until` (RUNNING or
+    DEPLOY_FAILED). Shutting down first keeps an earlier app's RUNNING from answering for this one."""
+    down = _run(str(BIN / "serve"), "shutdown", "--address", dashboard, "--yes", env=env)
+    assert down.returncode == 0, down.stderr[-2000:]
     deployed = _run(str(BIN / "serve"), "deploy", str(config_file), "--address", dashboard, env=env)
     assert deployed.returncode == 0, deployed.stderr[-2000:]
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + timeout
     status = ""
     while time.monotonic() < deadline:
-        out = _run(str(BIN / "serve"), "status", "--address", dashboard, env=env)
-        status = out.stdout
-        parsed = yaml.safe_load(status) or {}
-        app = (parsed.get("applications") or {}).get("flowgrpo") or {}
-        if app.get("status") == "RUNNING":
-            break
-        assert app.get("status") != "DEPLOY_FAILED", status
+        status = _run(str(BIN / "serve"), "status", "--address", dashboard, env=env).stdout
+        app = ((yaml.safe_load(status) or {}).get("applications") or {}).get("flowgrpo") or {}
+        if app.get("status") == until:
+            return app
+        assert app.get("status") not in {"RUNNING", "DEPLOY_FAILED"} - {until}, status
         time.sleep(2)
-    parsed = yaml.safe_load(status)
-    app = parsed["applications"]["flowgrpo"]
-    assert app["status"] == "RUNNING", status
+    raise AssertionError(f"the app did not reach {until} in {timeout} s:\n{status}")
+
+
+def _with_args(config_file: Path, args: dict, deployments: list | None = None) -> Path:
+    config = yaml.safe_load(config_file.read_text())
+    config["applications"][0]["args"] = args
+    if deployments is not None:
+        config["applications"][0]["deployments"] = deployments
+    out = config_file.with_name(f"serve_config.{len(list(config_file.parent.iterdir()))}.yaml")
+    out.write_text(yaml.safe_dump(config))
+    return out
+
+
+# The README's "Training a real model" recipe, with the tiny model in place of the real checkout.
+GPU_RECIPE = {
+    "config": "gpu_rollout",
+    "overrides": ["model=tiny_qwen_image", "model.device=cpu", "replica.num_gpus=1", "replica.autoscaling.max_replicas=8"],
+}
+
+
+def test_serve_deploy_reaches_running_and_serves(head_node):
+    env, dashboard, config_file, http_port = head_node
+    app = _deploy(config_file, env, dashboard, until="RUNNING")
     assert set(app["deployments"]) == {"TokenizerIngress", "DiffusionReplica", "TrajectoryAggregator"}
-    assert all(d["status"] == "HEALTHY" for d in app["deployments"].values()), status
+    assert all(d["status"] == "HEALTHY" for d in app["deployments"].values()), app
     reply = httpx.post(
         f"http://127.0.0.1:{http_port}/v1/rollouts", json={"prompts": ["a cat"], "group_size": 2, "seed": 1}, timeout=120
     )
     assert reply.status_code == 200, reply.text
     assert len(reply.json()["samples"]) == 2
+
+
+def test_the_readme_gpu_recipe_gives_the_replica_a_gpu(head_node):
+    from ray.util.state import list_actors
+
+    env, dashboard, config_file, _ = head_node
+    _deploy(_with_args(config_file, GPU_RECIPE), env, dashboard, until="RUNNING")
+    replicas = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True, raise_on_missing_output=False)
+    held = [a.required_resources for a in replicas if a.class_name.endswith("DiffusionReplica")]
+    assert held and all(r.get("GPU") == 1.0 for r in held), held
+
+
+def test_an_option_set_in_serve_config_and_in_args_fails_the_deploy_naming_both(head_node):
+    env, dashboard, config_file, _ = head_node
+    conflicting = _with_args(config_file, GPU_RECIPE, deployments=[
+        {"name": "DiffusionReplica", "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}},
+    ])
+    app = _deploy(conflicting, env, dashboard, until="DEPLOY_FAILED", timeout=300)
+    message = app["deployments"]["DiffusionReplica"]["message"]
+    assert "ray_actor_options.num_gpus = 0" in message and "replica.num_gpus = 1" in message, message
+    assert "deployments:" in message, message

@@ -49,7 +49,7 @@ def test_noise_zero_reproduces_the_stock_pipeline(policy, ode_sample, guidance_s
 
 
 def test_trajectory_shapes_and_window(policy, text):
-    traj = sample_group(policy, text.tokenize(["a cat", "two green triangles"]), 3, PARAMS)
+    traj = sample_group(policy, text.tokenize(["a cat", "two green triangles"]), 3, PARAMS, policy_version=0)
     B, K = 6, 2
     assert traj.log_probs.shape == (B, K) and traj.log_probs.dtype == torch.float32
     assert torch.isfinite(traj.log_probs).all()
@@ -68,7 +68,7 @@ def test_trajectory_shapes_and_window(policy, text):
 
 def test_full_sde_window_covers_all_steps_but_the_last(policy, text):
     params = PARAMS.model_copy(update={"sde_window_size": None})
-    traj = sample_group(policy, text.tokenize(["a cat"]), 2, params)
+    traj = sample_group(policy, text.tokenize(["a cat"]), 2, params, policy_version=0)
     assert traj.step_indices.tolist() == list(range(params.num_steps - 1))
     assert traj.log_probs.shape == (2, params.num_steps - 1)
 
@@ -76,7 +76,7 @@ def test_full_sde_window_covers_all_steps_but_the_last(policy, text):
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])
 def test_replay_gives_ratio_one(policy, text, sde_type):
     params = PARAMS.model_copy(update={"sde_type": sde_type})
-    traj = sample_group(policy, text.tokenize(["a cat", "a dog on grass"]), 2, params)
+    traj = sample_group(policy, text.tokenize(["a cat", "a dog on grass"]), 2, params, policy_version=0)
     for k in range(traj.log_probs.shape[1]):
         replayed = replay_step(policy, traj, k)
         torch.testing.assert_close(replayed.log_prob, traj.log_probs[:, k], atol=1e-6, rtol=0)
@@ -93,21 +93,21 @@ def test_same_seed_same_trajectory_alone_or_in_a_larger_batch(policy, text):
     conditioning = encode_conditioning(policy, prompts, torch.tensor([0, 1, 1, 0]), None, params)
     seeds = torch.tensor([11, 22, 33, 44])
     index = torch.arange(4)
-    big = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index)
-    again = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index)
+    big = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index, policy_version=0)
+    again = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index, policy_version=0)
     assert torch.equal(big.latents, again.latents) and torch.equal(big.log_probs, again.log_probs)
 
     alone_cond = encode_conditioning(policy, prompts[:1], torch.tensor([0]), None, params)
     one = torch.tensor([0])
-    alone = rollout(policy, alone_cond, torch.tensor([44]), params, window_start=1, prompt_index=one, sample_index=one)
+    alone = rollout(policy, alone_cond, torch.tensor([44]), params, window_start=1, prompt_index=one, sample_index=one, policy_version=0)
     torch.testing.assert_close(alone.latents[0], big.latents[3], atol=1e-6, rtol=0)
     torch.testing.assert_close(alone.log_probs[0], big.log_probs[3], atol=1e-6, rtol=0)
     assert torch.equal(alone.images[0], big.images[3])
 
 
 def test_different_seeds_differ(policy, text):
-    a = sample_group(policy, text.tokenize(["a cat"]), 2, PARAMS)
-    b = sample_group(policy, text.tokenize(["a cat"]), 2, PARAMS.model_copy(update={"seed": 8}))
+    a = sample_group(policy, text.tokenize(["a cat"]), 2, PARAMS, policy_version=0)
+    b = sample_group(policy, text.tokenize(["a cat"]), 2, PARAMS.model_copy(update={"seed": 8}), policy_version=0)
     assert not torch.equal(a.latents[:, 0], b.latents[:, 0])
     assert not torch.equal(a.latents[0, 0], a.latents[1, 0])
 
@@ -115,7 +115,7 @@ def test_different_seeds_differ(policy, text):
 def test_validation_mode_is_deterministic_ode(policy, text):
     params = PARAMS.for_validation(num_steps=8, seed=5)
     assert params.noise_level == 0.0 and params.num_steps == 8
-    traj = sample_group(policy, text.tokenize(["a cat"]), 2, params)
+    traj = sample_group(policy, text.tokenize(["a cat"]), 2, params, policy_version=0)
     assert torch.equal(traj.log_probs, torch.zeros_like(traj.log_probs))
 
 
@@ -135,19 +135,19 @@ def test_invalid_sampling_params(update, match):
 def test_size_not_a_multiple_of_the_spatial_factor(policy, text):
     params = PARAMS.model_copy(update={"height": 36})
     with pytest.raises(ValueError, match="multiples of 8"):
-        sample_group(policy, text.tokenize(["a cat"]), 1, params)
+        sample_group(policy, text.tokenize(["a cat"]), 1, params, policy_version=0)
 
 
 def test_group_size_below_one(policy, text):
     with pytest.raises(ValueError, match="group_size"):
-        sample_group(policy, text.tokenize(["a cat"]), 0, PARAMS)
+        sample_group(policy, text.tokenize(["a cat"]), 0, PARAMS, policy_version=0)
 
 
 def test_window_start_outside_range(policy, text):
     conditioning = encode_conditioning(policy, text.tokenize(["a cat"]), torch.tensor([0]), None, PARAMS)
     one = torch.tensor([0])
     with pytest.raises(ValueError, match="window_start"):
-        rollout(policy, conditioning, torch.tensor([1]), PARAMS, window_start=4, prompt_index=one, sample_index=one)
+        rollout(policy, conditioning, torch.tensor([1]), PARAMS, window_start=4, prompt_index=one, sample_index=one, policy_version=0)
 
 
 def test_conditioning_rows_pick_each_samples_prompt(policy, text):

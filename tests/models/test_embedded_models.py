@@ -28,6 +28,7 @@ from serve_app.models import (  # noqa: E402
     ensure_qwen2_tokenizer,
     flowgrpo_home,
 )
+from serve_app.models.tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID  # noqa: E402
 
 QWEN_TEMPLATE_PREFIX_TOKENS = 34
 
@@ -147,6 +148,8 @@ def test_tokenizer_special_tokens_and_chat_template(tokenizer) -> None:  # type:
     assert {token: tokenizer.convert_tokens_to_ids(token) for token in expected} == expected
     assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.pad_token_id == 151643
     assert tokenizer.eos_token_id == 151645
+    # The model builders configure their text encoders with these before any tokenizer exists.
+    assert (QWEN2_PAD_ID, QWEN2_EOS_ID) == (tokenizer.pad_token_id, tokenizer.eos_token_id)
 
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True

@@ -129,7 +129,7 @@ def test_noise_zero_reproduces_the_stock_pipeline(policy, ode_sample, guidance_s
 
 
 def test_replay_gives_ratio_one(policy, text):
-    traj = sample_group(policy, text.tokenize(["a cat", "a dog on grass"]), 2, PARAMS)
+    traj = sample_group(policy, text.tokenize(["a cat", "a dog on grass"]), 2, PARAMS, policy_version=0)
     assert traj.latents.shape == (4, 3, *policy.latent_shape(32, 32))
     assert traj.prompt_embeds.pooled is not None and traj.negative_embeds.pooled is not None
     assert torch.isfinite(traj.log_probs).all()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from serve_app.config_loader import ConfigError
 from serve_app.shapes.pretrain import load_pretrain_config, pretrain
 
 MINIATURE = [
@@ -23,14 +24,17 @@ def qwen2_dir(flowgrpo_home):
 
 
 def test_committed_config_loads_and_unknown_keys_fail():
-    config = load_pretrain_config("configs/shapes/pretrain.yaml")
+    config = load_pretrain_config("shapes/pretrain")
     assert config.model.vae_patch_size == 2 and config.model.rope_axes == (8, 12, 12) and config.seed == 0
-    with pytest.raises(Exception, match="lr_typo"):
-        load_pretrain_config("configs/shapes/pretrain.yaml", ["lr_typo=1"])
+    assert load_pretrain_config("configs/shapes/pretrain.yaml") == config  # a path loads the same file
+    with pytest.raises(ConfigError, match="unknown key 'lr_typo' in override 'lr_typo=1'"):
+        load_pretrain_config("shapes/pretrain", ["lr_typo=1"])
+    with pytest.raises(ConfigError, match="model.layres"):
+        load_pretrain_config("shapes/pretrain", ["model.layres=2"])
 
 
 def test_a_few_steps_lower_the_loss_and_save_a_loadable_pipeline(tmp_path, qwen2_dir):
-    config = load_pretrain_config(None, [*MINIATURE, "steps=24", "eval.every=8"])
+    config = load_pretrain_config("shapes/pretrain", [*MINIATURE, "steps=24", "eval.every=8"])
     entries = pretrain(config, tmp_path / "model", qwen2_dir=qwen2_dir, log=lambda line: None)
     assert [e["step"] for e in entries] == [8, 16, 24]
     assert entries[-1]["loss"] < entries[0]["loss"]
@@ -46,12 +50,12 @@ def test_a_few_steps_lower_the_loss_and_save_a_loadable_pipeline(tmp_path, qwen2
     policy = load_policy(tmp_path / "model", family="qwen_image")
     assert policy.transformer.dtype == torch.float32  # saved in bf16, loaded in the asked dtype
     params = SamplingParams(num_steps=2, guidance_scale=1.0, sde_window_size=None, seed=0)
-    batch = sample_group(policy, policy.text_processor().tokenize(["a red circle"]), 2, params)
+    batch = sample_group(policy, policy.text_processor().tokenize(["a red circle"]), 2, params, policy_version=0)
     assert batch.images.shape == (2, 3, 32, 32)
 
 
 def test_the_same_seed_gives_the_same_weights(tmp_path, qwen2_dir):
-    config = load_pretrain_config(None, [*MINIATURE, "steps=2", "eval.every=0"])
+    config = load_pretrain_config("shapes/pretrain", [*MINIATURE, "steps=2", "eval.every=0"])
     for run in ("a", "b"):
         pretrain(config, tmp_path / run, qwen2_dir=qwen2_dir, log=lambda line: None)
     a, b = (load_file(tmp_path / run / "transformer" / "diffusion_pytorch_model.safetensors") for run in ("a", "b"))

@@ -11,8 +11,8 @@ def test_default_trainer_config_composes_the_app_config():
     cfg = load_trainer_config()
     assert isinstance(cfg, TrainerRunConfig)
     assert cfg.app_name == "flowgrpo" and cfg.model.embedded == "tiny-qwen-image"
-    assert cfg.trainer.lora.target_modules[:4] == ["to_q", "to_k", "to_v", "to_out.0"]
-    assert cfg.trainer.adv_clip == 5.0 and cfg.trainer.inner_epochs >= 1
+    assert cfg.trainer.lora.target_modules == ["proj_out", "norm_out.linear", "img_mod.1"]
+    assert cfg.aggregator.advantage.clip == 5.0 and cfg.trainer.inner_epochs >= 1  # one advantage clip: the app's
 
 
 def test_unknown_trainer_key_is_named():

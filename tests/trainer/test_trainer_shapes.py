@@ -3,26 +3,20 @@
 import csv
 
 import pytest
-from ray import serve
-
-from serve_app.app import AppArgs, build_app
 from serve_app.client import RolloutClient
 from serve_app.shapes.evaluation import EVAL_COLUMNS
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
 
+# Whole training steps through the app: seconds each on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
-def shapes_app(flowgrpo_home, tmp_path):
-    from ray.serve.batching import _BatchQueue
-
+def shapes_app(start_local_app, tmp_path):
     overrides = [f"replica.weights_dir={tmp_path / 'weights'}", "validation.num_steps=4"]
-    with pytest.MonkeyPatch.context() as mp:
-        # See tests/deployments/test_app_local.py: local testing mode has no replica context.
-        mp.setattr(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
-        handle = serve.run(build_app(AppArgs(config="shapes_rollout", overrides=overrides)),
-                           name=f"shapes-{tmp_path.name}", _local_testing_mode=True)
-        yield RolloutClient(handle=handle), overrides
+    handle = start_local_app("shapes_rollout", overrides, name=f"shapes-{tmp_path.name}")
+    return RolloutClient(handle=handle), overrides
 
 
 def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
@@ -30,7 +24,7 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
     config = load_trainer_config("trainer/shapes", [
         *overrides, "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.eval_every=1",
         "trainer.evaluation.samples_per_prompt=1", "trainer.evaluation.grid_samples=1", "trainer.image_every=0",
-        "trainer.evaluation.splits=[held_out,train]",
+        "trainer.evaluation.args.splits=[held_out,train]",
         "trainer.checkpoint_every=0", "sampling.num_steps=6", "sampling.sde_window_range=[0,3]",
     ])
     assert len(config.trainer.prompts) == 76  # the train split, not the held-out prompts evaluated below

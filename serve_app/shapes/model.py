@@ -17,41 +17,47 @@ Components, all loaded by the stock ``QwenImagePipeline.from_pretrained`` and ou
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from serve_app.models.pixel_vae import PixelPatchVAE
+from serve_app.models.registry import EmbeddedModel
 from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder, qwen_image_transformer
 
-__all__ = ["ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
+__all__ = ["SHAPES_QWEN_IMAGE", "ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
+
+# The pretrained checkpoint shipped in the repo (its README has the command, config and figures);
+# configs/model/shapes_qwen_image.yaml names it as `embedded: serve_app.shapes.model:SHAPES_QWEN_IMAGE`.
+SHAPES_QWEN_IMAGE = EmbeddedModel("qwen_image", shipped=Path(__file__).parent / "checkpoints" / "shapes-qwen-image")
 
 UNK_TOKEN = "<unk>"
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-@dataclass(frozen=True)
-class ShapesModelSpec:
+class ShapesModelSpec(BaseModel):
     """Architecture of the shapes-world pipeline (configs/shapes/pretrain.yaml `model:`)."""
 
-    vae_patch_size: int = 2
-    layers: int = 4
-    heads: int = 4
-    head_dim: int = 32
-    rope_axes: tuple[int, int, int] = (8, 12, 12)  # (frame, height, width); sums to head_dim
-    text_dim: int = 64  # Qwen2.5-VL hidden size == the transformer's joint_attention_dim
-    text_layers: int = 1
-    text_heads: int = 4
-    text_mrope: tuple[int, int, int] = (2, 3, 3)  # sums to text head_dim / 2
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vae_patch_size: int = Field(2, ge=1, description="Pixels per side folded into one latent position.")
+    layers: int = Field(4, ge=1, description="MMDiT blocks.")
+    heads: int = Field(4, ge=1, description="Attention heads.")
+    head_dim: int = Field(32, ge=2, description="Width of one head.")
+    rope_axes: tuple[int, int, int] = Field((8, 12, 12), description="(frame, height, width) RoPE dims; sum to head_dim.")
+    text_dim: int = Field(64, ge=2, description="Qwen2.5-VL hidden size == the transformer's joint_attention_dim.")
+    text_layers: int = Field(1, ge=1, description="Text encoder layers.")
+    text_heads: int = Field(4, ge=1, description="Text encoder heads.")
+    text_mrope: tuple[int, int, int] = Field((2, 3, 3), description="M-RoPE sections; sum to text head_dim / 2.")
     # A static time shift instead of Qwen-Image's resolution-dependent one: flat-coloured shapes
     # stay legible under a lot of noise, so the steps that decide the layout are the noisiest ones
     # and sampling spends more of its steps there (sigma' = s * sigma / (1 + (s - 1) * sigma)).
-    schedule_shift: float = 3.0
-    extra_words: tuple[str, ...] = field(default_factory=tuple)
+    schedule_shift: float = Field(3.0, gt=0, description="Static time shift of the sampling schedule.")
+    extra_words: tuple[str, ...] = Field((), description="Words the tokenizer knows beyond the grammar.")
 
 
 def _vocabulary_texts() -> list[str]:

@@ -1,0 +1,67 @@
+"""Every benchmark script runs at its smallest settings and prints one JSON document of finite figures.
+
+The figures themselves are machine-dependent and quoted in the README from full runs; these runs only
+guard the scripts against bit rot.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, *args: str, timeout: float = 600) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)  # stdout is the JSON document and nothing else
+
+
+def numbers(value) -> list[float]:
+    """Every number in a JSON document (bools are flags, not figures)."""
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in numbers(v)]
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def assert_finite(report: dict) -> None:
+    found = numbers(report)
+    assert found and all(math.isfinite(x) for x in found)
+
+
+@pytest.mark.slow
+def test_bench_sampler(flowgrpo_home):
+    report = run_script("bench_sampler.py", "--repeats", "1", "--batch", "1", "--steps", "7", "--sizes", "tiny")
+    assert_finite(report)
+    (case,) = report["cases"]
+    assert set(case["ratios"]) == {"ours_ode_vs_stock", "ours_sde_window2_vs_stock", "ours_sde_all_steps_vs_stock"}
+    assert all(v["median"] > 0 for v in case["seconds"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_bench_serve(flowgrpo_home):
+    report = run_script("bench_serve.py", "--repeats", "1", "--model", "tiny-qwen-image", "--size", "32",
+                        "--prompts", "1", "--group-size", "2", "--threads", "1")
+    assert_finite(report)
+    assert report["throughput_ratio_served_over_in_process"]["median"] > 0
+    assert all(row["bytes_per_sample"] > 0 for row in report["trajectory_bytes"])
+
+
+@pytest.mark.slow
+def test_bench_learning(flowgrpo_home):
+    report = run_script("bench_learning.py", "--minutes", "0.01", "--max-steps", "1", "--eval-every", "1",
+                        "--samples-per-prompt", "1", "--variants", "default", "--splits", "held_out")
+    assert_finite(report)
+    (curve,) = report["variants"]["default"]["curves"]
+    assert [row["step"] for row in curve] == [0, 1]
+    assert all(0.0 <= row["strict_accuracy"] <= 1.0 for row in curve)
