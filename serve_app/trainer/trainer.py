@@ -36,6 +36,7 @@ from serve_app.trainer.evaluation import RunEvaluator
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
+from serve_app.trainer.statistics import first_and_last, welch_t
 from serve_app.weights import open_weight_store
 
 
@@ -319,17 +320,20 @@ class FlowGRPOTrainer:
         rows = self.metrics.rows
         if not rows:
             return "no steps"
-        first = [r["reward_mean"] for r in rows[:5]]
-        last = [r["reward_mean"] for r in rows[-5:]]
-        rise = statistics.mean(last) - statistics.mean(first)
-        std0 = rows[0]["reward_std"]
         per_step = statistics.mean(self.step_seconds) if self.step_seconds else math.nan
         evaluation = self.evaluator.summary() if self.evaluator is not None else ""
+        rewards = [r["reward_mean"] for r in rows]
+        if len(rewards) >= 4:
+            first, last = first_and_last(rewards)
+            change = (f"reward mean of the first {len(first)} steps {statistics.mean(first):.5f}, of the last "
+                      f"{len(last)} {statistics.mean(last):.5f} (Welch t {welch_t(first, last):+.1f} against the "
+                      "step-to-step noise)")
+        else:
+            change = f"reward mean {statistics.mean(rewards):.5f}"
         return (
-            (f"{evaluation}\n" if evaluation else "") +
-            f"steps {len(rows)} | reward mean first 5: {statistics.mean(first):.5f}, last 5: {statistics.mean(last):.5f} "
-            f"(rise {rise:+.5f} = {rise / std0 if std0 > 0 else math.inf:.1f} x step-0 std {std0:.5f}) | "
-            f"{per_step:.1f} s/step | final policy version {self.version} | outputs in {self.out}"
+            (f"{evaluation}\n" if evaluation else "")
+            + f"steps {len(rows)} | {change} | {per_step:.1f} s/step | final policy version {self.version} | "
+            f"outputs in {self.out}"
         )
 
     # -- helpers ------------------------------------------------------------------------------

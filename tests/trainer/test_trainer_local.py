@@ -10,6 +10,7 @@ from serve_app.errors import PolicyVersionError
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.trainer import trainer as trainer_module
 from serve_app.trainer.config import load_trainer_config
+from serve_app.trainer.statistics import welch_t
 from serve_app.trainer.trainer import FlowGRPOTrainer, TrainingDivergedError, load_trainer_policy
 
 # Whole training steps through the app: seconds each on 2 cores.
@@ -108,12 +109,6 @@ def test_resume_continues_from_the_checkpoint(local_app, tmp_path):
     assert [int(r["step"]) for r in resumed.metrics.rows] == [0, 1, 2]
 
 
-def welch_t(before: list[float], after: list[float]) -> float:
-    """Welch's t statistic of mean(after) - mean(before), each sample with its own variance."""
-    a, b = torch.tensor(before, dtype=torch.float64), torch.tensor(after, dtype=torch.float64)
-    return float((b.mean() - a.mean()) / (a.var() / len(a) + b.var() / len(b)).sqrt())
-
-
 def test_reward_rises_with_the_demo_settings(local_app, tmp_path):
     """The demo's own settings (configs/trainer/flowgrpo.yaml: brightness toward 0.2, LoRA lr 5e-3,
     group 16, 4 inner epochs), shortened to 16 steps: the mean reward of the last 4 steps must beat
@@ -132,6 +127,7 @@ def test_reward_rises_with_the_demo_settings(local_app, tmp_path):
     assert t > 6, (t, rewards)
     assert all(r["onpolicy_ratio_dev"] < 1e-6 for r in rows)
     assert [int(r["policy_version"]) for r in rows] == list(range(16))
+    assert "Welch t" in trainer.summary()
 
 
 def test_the_ema_is_published_and_evaluated_while_training_continues_from_the_policy(local_app, tmp_path):
