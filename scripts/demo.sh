@@ -92,4 +92,6 @@ echo "$status" | grep -q "status: RUNNING" || { echo "demo: the app did not reac
 echo "demo: training $STEPS steps -> $OUT"
 "$PY" -m serve_app.trainer --config "$TRAINER_CONFIG" --steps "$STEPS" --out "$OUT" --address "$RAY_ADDRESS" "$@"
 echo "demo: metrics in $OUT/metrics.csv, curve in $OUT/reward_curve.png"
-if [ -f "$OUT/eval.csv" ]; then echo "demo: evaluations in $OUT/eval.csv, $OUT/eval_accuracy.png, $OUT/eval_before.png, $OUT/eval_after.png"; fi
+if [ -f "$OUT/eval.csv" ]; then
+  echo "demo: evaluations in $OUT/eval.csv and the pictures $(cd "$OUT" && ls eval_accuracy.png eval_before*.png eval_after*.png 2>/dev/null | tr '\n' ' ')"
+fi

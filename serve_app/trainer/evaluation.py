@@ -65,7 +65,7 @@ class RewardEvaluator(Evaluator):
         self._prompts = list(prompts or config.trainer.prompts[: config.trainer.prompts_per_step])
 
     def splits(self) -> dict[str, list[str]]:
-        return {"prompts": self._prompts}
+        return {"fixed": self._prompts}
 
 
 def build_evaluator(config: TrainerRunConfig) -> Evaluator:
