@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Keep every Ray process we start on 127.0.0.1 (Ray binds to the routable address otherwise), and use
-# one auth mode for `ray start` and the `serve` CLI, which fail against each other when they differ.
+# Keep every Ray process we start on 127.0.0.1 (Ray binds to the routable address otherwise), with
+# token authentication: Serve replicas listen on all interfaces for inter-deployment gRPC, and the
+# token is what refuses strangers there (serve_app/local_ray.py). The token itself is made per run.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
-export RAY_AUTH_MODE := disabled
+export RAY_AUTH_MODE := token
 export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: venv test test-fast demo clean

@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from serve_app.local_ray import loopback_ray_env
+
+loopback_ray_env()
 
 VARIANTS: dict[str, list[str]] = {
     "default": [],  # configs/trainer/shapes.yaml as shipped

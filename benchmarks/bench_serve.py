@@ -20,9 +20,9 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from serve_app.local_ray import loopback_ray_env  # noqa: E402
+
+loopback_ray_env()
 
 import torch  # noqa: E402
 
@@ -42,7 +42,9 @@ def in_process_runner(config):
     from serve_app.rewards import CompositeReward
 
     policy = load_configured_policy(config.model)
-    planner = RolloutPlanner(policy.text_processor(), config.ingress, config.sampling)
+    planner = RolloutPlanner(
+        policy.text_processor(), config.ingress, config.sampling, policy.geometry, max_work=config.model.max_request_work
+    )
     engine = RolloutEngine(policy)
     assembler = TrajectoryAssembler(CompositeReward(config.reward.components), config.aggregator.advantage)
 

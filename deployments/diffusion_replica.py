@@ -12,6 +12,7 @@ from ray.serve import metrics
 from serve_app.config import RolloutConfig
 from serve_app.engine import RolloutEngine
 from serve_app.options import check_running_options
+from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import RolloutChunk, Trajectory
 from serve_app.weights import open_weight_store
 
@@ -37,7 +38,7 @@ class DiffusionReplica:
         # function it decorates, so a class-level decorator would share one queue - served by one event
         # loop - between every replica of a process, as Serve's local testing mode runs them (measured:
         # a second app's rollouts 15x slower, its batches handled on the first app's loop).
-        self.generate = serve.batch(
+        self._generate_fused = serve.batch(
             max_batch_size=config.replica.max_batch_size, batch_wait_timeout_s=config.replica.batch_wait_timeout_s
         )(self._generate_batch)
         tags = ("family",)
@@ -56,15 +57,27 @@ class DiffusionReplica:
         )
         self.policy_version.set(0, tags=self._tags)
 
-    async def _generate_batch(self, chunks: list[RolloutChunk]) -> list[Trajectory]:
-        """`generate(chunk)` as callers see it: Serve fuses concurrent calls into one list."""
+    async def generate(self, chunk: RolloutChunk) -> Trajectory:
+        """One chunk's trajectory. Concurrent calls are fused into one forward batch; an error raised
+        here is this chunk's own (RolloutEngine.generate isolates the chunks of a fused batch)."""
+        result = await self._generate_fused(chunk)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def geometry(self) -> ImageGeometry:
+        """The image sizes this replica's model takes and what an image costs (the ingress checks
+        requests against it before fan-out)."""
+        return self.engine.policy.geometry
+
+    async def _generate_batch(self, chunks: list[RolloutChunk]) -> list[Trajectory | Exception]:
         # Sampling is CPU/GPU-bound: run it off the event loop so health checks and metrics keep flowing.
-        trajectories, stats = await asyncio.to_thread(self.engine.generate, chunks)
+        results, stats = await asyncio.to_thread(self.engine.generate, chunks)
         for s in stats:
             self.images_generated.inc(s.images, tags=self._tags)
             self.step_seconds.observe(s.seconds_per_step, tags=self._tags)
             self.policy_version.set(s.policy_version, tags=self._tags)
-        return trajectories
+        return results
 
     async def prefetch_version(self, version: int) -> int:
         """Load a version ahead of the requests that pin it (the trainer may push to warm replicas)."""

@@ -1,5 +1,5 @@
 """TokenizerIngress: the app's entry (HTTP and handle). Validates, tokenizes, fans out to the
-replicas, hands their responses to the aggregator."""
+replicas (re-running a chunk whose replica died), hands the trajectories to the aggregator."""
 
 from __future__ import annotations
 
@@ -14,16 +14,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import metrics
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import RolloutConfig
-from serve_app.errors import InvalidRequestError, RolloutError
+from serve_app.errors import InvalidRequestError, ReplicaUnavailableError, http_error
 from serve_app.options import check_running_options
 from serve_app.planner import RolloutPlanner
-from serve_app.rewards import TOTAL_KEY, RewardError
-from serve_app.schemas import RolloutRequest, RolloutResponse, SampleOut, TrajectoryBatch
+from serve_app.rewards import TOTAL_KEY
+from serve_app.schemas import (
+    ErrorResponse,
+    RolloutChunk,
+    RolloutRequest,
+    RolloutResponse,
+    SampleOut,
+    Trajectory,
+    TrajectoryBatch,
+)
 from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
@@ -34,16 +42,26 @@ api = FastAPI(
 )
 
 
-def _error(status: int, kind: str, message: str, field: str = "") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": kind, "field": field, "message": message})
+ERROR_RESPONSES = {
+    400: {"model": ErrorResponse, "description": "The body is not JSON (field: body)."},
+    409: {"model": ErrorResponse, "description": "The pinned policy version does not exist."},
+    413: {"model": ErrorResponse, "description": "More samples or work than the app's limits (field named)."},
+    422: {"model": ErrorResponse, "description": "A field is invalid (field named, with what is accepted)."},
+    503: {"model": ErrorResponse, "description": "Overloaded, or a chunk's replica died on every retry."},
+}
 
 
 @api.exception_handler(RequestValidationError)
 async def _invalid_json(_: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI's errors have pydantic's shape, with "body" in front of the field path.
+    # FastAPI's errors have pydantic's shape, with "body" in front of the field path; a body that is
+    # not JSON reports a character offset there, which means nothing to the caller.
     first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return JSONResponse(status_code=400, content=ErrorResponse(
+            error="malformed_json", field="body", message=f"the body is not valid JSON: {first['msg']}").model_dump())
     error = InvalidRequestError.from_errors([{**first, "loc": tuple(p for p in first["loc"] if p != "body")}])
-    return _error(422, "invalid_request", error.message, error.field)
+    return JSONResponse(status_code=422, content=ErrorResponse(
+        error="invalid_request", field=error.field, message=error.message).model_dump())
 
 
 def _png_base64(image) -> str:
@@ -81,12 +99,9 @@ class TokenizerIngress:
         from serve_app.policies import load_text_processor, model_dir
 
         check_running_options(config, "TokenizerIngress")
-        self.planner = RolloutPlanner(
-            load_text_processor(model_dir(config.model), family=config.model.family),
-            config.ingress,
-            config.sampling,
-            open_weight_store(config),
-        )
+        self.config = config
+        self.text_processor = load_text_processor(model_dir(config.model), family=config.model.family)
+        self._planner: RolloutPlanner | None = None
         self.replica = replica
         self.aggregator = aggregator
         self.latency = metrics.Histogram(
@@ -96,6 +111,37 @@ class TokenizerIngress:
         )
         self.requests = metrics.Counter(
             "flowgrpo_rollout_requests", description="Rollout requests by outcome.", tag_keys=("outcome",)
+        )
+        self.chunk_reruns = metrics.Counter(
+            "flowgrpo_chunk_reruns", description="Chunks run again because their replica died."
+        )
+
+    async def planner(self) -> RolloutPlanner:
+        """The planner, built on first use with the model geometry a replica reports (the ingress
+        loads no weights)."""
+        if self._planner is None:
+            geometry = await self.replica.geometry.remote()
+            self._planner = RolloutPlanner(
+                self.text_processor, self.config.ingress, self.config.sampling, geometry,
+                max_work=self.config.model.max_request_work, store=open_weight_store(self.config),
+            )
+        return self._planner
+
+    async def sample(self, chunk: RolloutChunk) -> Trajectory:
+        """One chunk on some replica. A replica that dies while holding it costs a re-run on another
+        (or the restarted) one, not the request: the chunk's seeds make the re-run exactly the
+        trajectory the undisturbed run returns."""
+        retries = self.config.ingress.chunk_retries
+        for attempt in range(retries + 1):
+            try:
+                return await self.replica.generate.remote(chunk)
+            except RayActorError as exc:
+                logger.warning("chunk lost with its replica (attempt %d of %d): %s", attempt + 1, retries + 1, exc)
+                if attempt < retries:
+                    self.chunk_reruns.inc()
+        raise ReplicaUnavailableError(
+            f"the replica running a chunk died {retries + 1} times in a row (ingress.chunk_retries = {retries}); "
+            "retry the request"
         )
 
     async def rollout(self, request: RolloutRequest | dict) -> TrajectoryBatch:
@@ -109,9 +155,9 @@ class TokenizerIngress:
                 except ValidationError as exc:
                     raise InvalidRequestError.from_validation(exc) from None
             # Tokenizing is CPU work; a thread keeps the event loop free (the processor locks the tokenizer).
-            plan = await asyncio.to_thread(self.planner.plan, request)
-            chunk_responses = [self.replica.generate.remote(chunk) for chunk in plan.chunks]
-            batch = await self.aggregator.collect.remote(plan.prompts, plan.group_size, plan.request_id, *chunk_responses)
+            plan = await asyncio.to_thread((await self.planner()).plan, request)
+            trajectories = await asyncio.gather(*(self.sample(chunk) for chunk in plan.chunks))
+            batch = await self.aggregator.collect.remote(plan.prompts, plan.group_size, plan.request_id, *trajectories)
             batch.metrics["rollout_seconds"] = time.perf_counter() - started
             outcome = "ok"
             return batch
@@ -119,18 +165,16 @@ class TokenizerIngress:
             self.requests.inc(tags={"outcome": outcome})
             self.latency.observe(time.perf_counter() - started)
 
-    @api.post("/v1/rollouts", response_model=RolloutResponse, response_model_exclude_none=True)
+    @api.post("/v1/rollouts", response_model=RolloutResponse, response_model_exclude_none=True,
+              responses=ERROR_RESPONSES)
     async def http_rollout(self, request: RolloutRequest):
         try:
             batch = await self.rollout(request)
-        except BackPressureError as exc:
-            return _error(503, "overloaded", f"the rollout replicas are at capacity, retry later ({exc})")
-        except InvalidRequestError as exc:
-            return _error(exc.http_status, "invalid_request", exc.message, exc.field)
-        except RewardError as exc:
-            return _error(500, "reward", str(exc))
-        except RolloutError as exc:
-            return _error(exc.http_status, type(exc).__name__, str(exc))
+        except Exception as exc:
+            status, body = http_error(exc)
+            if status >= 500:
+                logger.exception("rollout request failed with %d", status)
+            return JSONResponse(status_code=status, content=body)
         return to_response(batch, return_images=request.return_images)
 
     @api.get("/healthz")

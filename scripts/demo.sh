@@ -18,7 +18,10 @@ case "$WORLD" in
   *) echo "demo: unknown WORLD=$WORLD (shapes or brightness)"; exit 2 ;;
 esac
 OUT=${OUT:-outputs/demo-$(date +%Y%m%d-%H%M%S)}
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1
+# On loopback, with token authentication (a fresh token per run unless one is given): see
+# serve_app/local_ray.py for why both matter.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1
+export RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_hex(32))')}
 # FLOWGRPO_HOME (models, weight versions) is inherited by the Ray workers started below, so the
 # replicas and the trainer share one weight store.
 
@@ -61,7 +64,9 @@ RAY_PID=$!
 export RAY_ADDRESS=127.0.0.1:$PORT
 # `serve deploy` talks to the dashboard's REST API, which comes up after the GCS: wait for it.
 dashboard_up() {
-  "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$SERVE_ADDR/api/ray/version" 2>/dev/null
+  "$PY" -c 'import os, sys, urllib.request
+request = urllib.request.Request(sys.argv[1], headers={"authorization": "Bearer " + os.environ["RAY_AUTH_TOKEN"]})
+urllib.request.urlopen(request, timeout=2)' "$SERVE_ADDR/api/ray/version" 2>/dev/null
 }
 for _ in $(seq 1 120); do
   dashboard_up && break

@@ -11,8 +11,8 @@ from serve_app.schemas import RolloutRequest, SamplingOverrides, SamplingParams,
 Sampling = SamplingParams | SamplingOverrides | dict
 
 DEPLOY_HINT = (
-    "start it with `serve deploy serve_config.yaml` (after `ray start --head`, with RAY_AUTH_MODE and "
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 set as in the Makefile) or `serve run serve_config.yaml`"
+    "start it with `serve deploy serve_config.yaml` (after `ray start --head`, with RAY_AUTH_MODE=token, "
+    "RAY_AUTH_TOKEN and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 set as in the README) or `serve run serve_config.yaml`"
 )
 
 

@@ -63,6 +63,12 @@ class ModelConfig(_Section):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute dtype.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")
+    max_request_work: int = Field(
+        2**22,
+        ge=1,
+        description="Most work one request may ask of the replicas: samples x steps x latent tokens (x2 with true "
+        "CFG); above: HTTP 413. Size it to what the replicas do in a request's acceptable time.",
+    )
 
 
 class IngressConfig(_Section):
@@ -73,6 +79,9 @@ class IngressConfig(_Section):
     max_group_size: int = Field(64, ge=1, description="Most samples per prompt.")
     max_samples: int = Field(1024, ge=1, description="Most prompts * group_size in one request; above: HTTP 413.")
     chunk_size: int = Field(8, ge=1, description="Samples per replica call; requests fan out in chunks of this size.")
+    chunk_retries: int = Field(
+        2, ge=0, description="Re-runs of a chunk whose replica died (its seeds make a re-run exact); then HTTP 503."
+    )
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs reserved per ingress replica.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests one ingress replica handles at once.")
     max_queued_requests: int = Field(128, ge=-1, description="Requests queued before HTTP 503; -1 = unbounded.")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.errors import PolicyVersionError
+from serve_app.errors import NumericalError, PolicyVersionError
 from serve_app.flowgrpo.sampler import encode_conditioning, rollout
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import PromptEmbeds, RolloutChunk, Trajectory
@@ -80,19 +80,32 @@ class RolloutEngine:
         self._lock = threading.Lock()
         self._probe_conditioning: PromptEmbeds | None = None
 
-    def generate(self, chunks: Sequence[RolloutChunk]) -> tuple[list[Trajectory], list[BatchStats]]:
-        """One trajectory per chunk, in order. Chunks that can share a batch (same params, window and
-        version) run as one forward batch; a chunk's result does not depend on its neighbours."""
-        results: list[Trajectory | None] = [None] * len(chunks)
+    def generate(self, chunks: Sequence[RolloutChunk]) -> tuple[list[Trajectory | Exception], list[BatchStats]]:
+        """One result per chunk, in order: its trajectory, or the error it alone caused.
+
+        Chunks that can share a batch (same params, window and version) run as one forward batch; a
+        chunk's result does not depend on its neighbours. When a fused batch fails, its chunks run
+        again one by one, so a chunk fails only for its own fault, never for another request's.
+        """
+        results: list[Trajectory | Exception | None] = [None] * len(chunks)
         stats: list[BatchStats] = []
         with self._lock:
             for (version, _, _), members in self._fusable_groups(chunks).items():
-                self.versions.ensure(version)
                 fused = [chunks[i] for i in members]
-                for i, trajectory in zip(members, self._run(fused, version, stats)):
-                    results[i] = trajectory
-        assert all(t is not None for t in results), "every chunk belongs to exactly one fused group"
+                try:
+                    outcomes: list[Trajectory | Exception] = list(self._run(fused, version, stats))
+                except Exception:
+                    outcomes = [self._run_alone(chunk, version, stats) for chunk in fused]
+                for i, outcome in zip(members, outcomes):
+                    results[i] = outcome
+        assert all(r is not None for r in results), "every chunk belongs to exactly one fused group"
         return results, stats  # type: ignore[return-value]
+
+    def _run_alone(self, chunk: RolloutChunk, version: int, stats: list[BatchStats]) -> Trajectory | Exception:
+        try:
+            return self._run([chunk], version, stats)[0]
+        except Exception as exc:  # returned, not raised: it is this chunk's answer
+            return exc
 
     def check_health(self) -> None:
         """Raise unless this engine can serve: the version it holds is still published, and - when no
@@ -135,6 +148,7 @@ class RolloutEngine:
         return groups
 
     def _run(self, chunks: list[RolloutChunk], version: int, stats: list[BatchStats]) -> list[Trajectory]:
+        self.versions.ensure(version)
         params = chunks[0].sampling
         started = time.perf_counter()
         # 1. Encode each chunk's distinct prompts once (rows offset per chunk), and the negative once.
@@ -155,8 +169,20 @@ class RolloutEngine:
             sample_index=torch.cat([c.sample_index for c in chunks]),
             policy_version=version,
         )
+        _check_finite(fused)
         seconds = time.perf_counter() - started
         stats.append(BatchStats(len(fused), seconds / params.num_steps, version))
         # 3. Split back: each chunk gets its own samples and only its prompts' embeddings.
         bounds = torch.tensor([0] + [len(c) for c in chunks]).cumsum(0).tolist()
         return [fused.take(slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _check_finite(trajectory: Trajectory) -> None:
+    """A trainer must never receive NaN or infinite log-probs or latents; a typed error instead."""
+    for name in ("log_probs", "latents"):
+        values = getattr(trajectory, name)
+        if not bool(torch.isfinite(values).all()):
+            raise NumericalError(
+                f"non-finite {name} at policy version {trajectory.policy_version} (sampling "
+                f"{trajectory.sampling.model_dump(exclude={'negative_prompt'})})"
+            )

@@ -60,6 +60,16 @@ class GroupIncompleteError(RolloutError):
     """The aggregator found a group with missing or duplicated samples."""
 
 
+class NumericalError(RolloutError):
+    """A replica computed non-finite values from valid inputs; it returns this instead of NaN tensors."""
+
+
+class ReplicaUnavailableError(RolloutError):
+    """A chunk's replica died on every allowed attempt (ingress.chunk_retries)."""
+
+    http_status = 503
+
+
 class AppNotDeployedError(RolloutError):
     """The rollout app is not running on the Ray cluster this process is connected to."""
 
@@ -85,3 +95,31 @@ def describe_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str
             message += f" (got {value!r})"
         found.append((field or "(root)", message))
     return found
+
+
+def http_error(exc: BaseException) -> tuple[int, dict[str, str]]:
+    """(HTTP status, JSON body {error, field, message}) for an exception raised serving a request.
+
+    Ray re-raises a remote exception as RayTaskError(<cause>), whose text carries the remote
+    traceback (actor ids, paths, ANSI colours): the body is built from the typed cause alone; what
+    is not one of the service's own errors becomes a bare 500 (the trace belongs in the log).
+    """
+    from ray.exceptions import RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    from serve_app.rewards import RewardError
+
+    cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+    if isinstance(cause, BackPressureError):
+        return 503, _body("overloaded", "the rollout replicas are at capacity, retry later")
+    if isinstance(cause, InvalidRequestError):
+        return cause.http_status, _body("invalid_request", cause.message, cause.field)
+    if isinstance(cause, RolloutError):
+        return cause.http_status, _body(type(cause).__name__, str(cause))
+    if isinstance(cause, RewardError):
+        return 500, _body("reward", str(cause))
+    return 500, _body("internal", "the service failed to serve this request; the server log has the trace")
+
+
+def _body(kind: str, message: str, field: str = "") -> dict[str, str]:
+    return {"error": kind, "field": field, "message": message}

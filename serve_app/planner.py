@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from serve_app.config import IngressConfig
 from serve_app.errors import InvalidRequestError, PolicyVersionError, RequestTooLargeError
 from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout
-from serve_app.policies.base import TextProcessor
+from serve_app.policies.base import ImageGeometry, TextProcessor
 from serve_app.schemas import RolloutChunk, RolloutRequest, SamplingParams
 from serve_app.weights import WeightStore
 
@@ -32,10 +32,12 @@ class RolloutPlan:
 
 
 class RolloutPlanner:
-    """Plans requests against the app's limits and sampling defaults.
+    """Plans requests against the app's limits, sampling defaults and model.
 
-    ``store`` is where the trainer publishes weight versions: "latest" is resolved there once per
-    request, and a pinned version must exist there. Without a store only version 0 exists.
+    ``geometry`` says which image sizes the model takes and what an image costs; ``max_work`` bounds
+    samples x steps x latent tokens (x2 with CFG) per request. ``store`` is where the trainer
+    publishes weight versions: "latest" is resolved there once per request, and a pinned version must
+    exist there. Without a store only version 0 exists.
     """
 
     def __init__(
@@ -43,19 +45,26 @@ class RolloutPlanner:
         text_processor: TextProcessor,
         limits: IngressConfig,
         default_sampling: SamplingParams,
+        geometry: ImageGeometry,
+        *,
+        max_work: int,
         store: WeightStore | None = None,
     ) -> None:
         self.text_processor = text_processor
         self.limits = limits
         self.default_sampling = default_sampling
+        self.geometry = geometry
+        self.max_work = max_work
         self.store = store
 
     def sampling_for(self, request: RolloutRequest) -> SamplingParams:
         """The app's sampling with the fields the request set, validated once on the merged values."""
         try:
-            return self.default_sampling.merged(request.sampling)
+            sampling = self.default_sampling.merged(request.sampling)
         except ValidationError as exc:
             raise InvalidRequestError.from_validation(exc, prefix=("sampling",)) from None
+        _check_text(sampling.negative_prompt, "sampling.negative_prompt")
+        return sampling
 
     def policy_version_for(self, request: RolloutRequest) -> int:
         """The concrete version every chunk of the request runs at: the pinned one, which must exist,
@@ -80,6 +89,7 @@ class RolloutPlanner:
                 raise InvalidRequestError(
                     f"at most {limits.max_prompt_chars} characters; got {len(prompt)}", f"prompts[{i}]"
                 )
+            _check_text(prompt, f"prompts[{i}]")
         if request.group_size > limits.max_group_size:
             raise InvalidRequestError(f"must be between 1 and {limits.max_group_size}; got {request.group_size}", "group_size")
         total = len(request.prompts) * request.group_size
@@ -88,10 +98,25 @@ class RolloutPlanner:
                 f"prompts x group_size = {total} samples exceeds the limit of {limits.max_samples}", "group_size"
             )
 
+    def check_work(self, request: RolloutRequest, sampling: SamplingParams) -> None:
+        """The model takes the image size, and the request's work fits the budget (413 otherwise)."""
+        self.geometry.check(sampling.height, sampling.width)
+        samples = len(request.prompts) * request.group_size
+        passes = 2 if sampling.guidance_scale > 1.0 else 1
+        work = samples * sampling.num_steps * self.geometry.tokens(sampling.height, sampling.width) * passes
+        if work > self.max_work:
+            raise RequestTooLargeError(
+                f"{samples} samples x {sampling.num_steps} steps x {self.geometry.tokens(sampling.height, sampling.width)} "
+                f"latent tokens{' x 2 (true CFG)' if passes == 2 else ''} = {work} exceeds the model's budget of "
+                f"{self.max_work} (model.max_request_work); ask for fewer samples, steps or pixels",
+                "sampling",
+            )
+
     def plan(self, request: RolloutRequest) -> RolloutPlan:
-        # 1. Check the request, merge its sampling, pin its version.
+        # 1. Check the request, merge its sampling, check its size and work, pin its version.
         self.validate(request)
         sampling = self.sampling_for(request)
+        self.check_work(request, sampling)
         policy_version = self.policy_version_for(request)
         request_seed = request.seed if request.seed is not None else sampling.seed
         if request_seed is None:
@@ -125,3 +150,11 @@ class RolloutPlanner:
                 )
             )
         return RolloutPlan(uuid.uuid4().hex[:12], list(request.prompts), request.group_size, policy_version, chunks)
+
+
+def _check_text(text: str, field: str) -> None:
+    """Text the tokenizer can take: encodable as UTF-8 (JSON can carry lone surrogates, which are not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"is not valid Unicode text ({exc.reason} at character {exc.start})", field) from None

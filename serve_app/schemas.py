@@ -10,10 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    create_model,
+    model_validator,
+)
+
+# A schema-level cap on image sides, far above any model's; each model's own limit is tighter.
+MAX_IMAGE_SIDE = 16384
 
 # ---------------------------------------------------------------------------------------------
 # Settings
@@ -24,23 +38,36 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    height: int = Field(32, ge=1, description="Image height in pixels; a multiple of the model's spatial factor.")
-    width: int = Field(32, ge=1, description="Image width in pixels; a multiple of the model's spatial factor.")
-    num_steps: int = Field(10, ge=1, le=1000, description="Denoising steps (sigma schedule length - 1).")
-    guidance_scale: float = Field(4.0, ge=0.0, description="True CFG scale; > 1 runs the negative prompt too.")
+    # Strict types (no "7" or true for 7) and finite, bounded floats: a value a request gets wrong is a
+    # 422 here, never an overflow or a NaN tensor in a replica. The model's own size limits and the
+    # work budget are checked by the planner, which knows the model.
+    height: StrictInt = Field(
+        32, ge=1, le=MAX_IMAGE_SIDE, description="Image height in pixels; a multiple of the model's spatial factor."
+    )
+    width: StrictInt = Field(
+        32, ge=1, le=MAX_IMAGE_SIDE, description="Image width in pixels; a multiple of the model's spatial factor."
+    )
+    num_steps: StrictInt = Field(10, ge=1, le=1000, description="Denoising steps (sigma schedule length - 1).")
+    guidance_scale: StrictFloat = Field(
+        4.0, ge=0.0, le=100.0, allow_inf_nan=False, description="True CFG scale; > 1 runs the negative prompt too."
+    )
     negative_prompt: str = Field(" ", max_length=2000, description="Negative prompt for true CFG.")
-    noise_level: float = Field(1.2, ge=0.0, description="The `a` of Flow-GRPO; 0 samples the ODE.")
+    noise_level: StrictFloat = Field(
+        1.2, ge=0.0, le=10.0, allow_inf_nan=False, description="The `a` of Flow-GRPO (CPS: at most 1); 0 samples the ODE."
+    )
     sde_type: Literal["sde", "cps", "ode"] = Field("sde", description="Stochastic step used inside the window.")
-    sde_window_size: int | None = Field(
+    sde_window_size: StrictInt | None = Field(
         2, ge=1, description="Stochastic (trained) steps per trajectory; None makes every step but the last stochastic."
     )
-    sde_window_range: tuple[int, int] = Field(
+    sde_window_range: tuple[StrictInt, StrictInt] = Field(
         (0, 5), description="Half-open range [lo, hi) the window's first step is drawn from (Flow-GRPO-Fast)."
     )
-    seed: int | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
 
     @model_validator(mode="after")
     def _check_window(self) -> SamplingParams:
+        if self.sde_type == "cps" and self.noise_level > 1.0:
+            raise ValueError(f"sde_type 'cps' takes noise_level in [0, 1] (std = sigma_next sin(a pi / 2)); got {self.noise_level}")
         lo, hi = self.sde_window_range
         if not 0 <= lo < hi:
             raise ValueError(f"sde_window_range must satisfy 0 <= lo < hi; got {self.sde_window_range}")
@@ -77,15 +104,21 @@ class SamplingParams(BaseModel):
         )
 
 
-# A request's `sampling`: every field of SamplingParams, optional, with no constraint of its own.
-# The app's defaults are merged in and the result validated once (SamplingParams.merged), so a
-# check that involves several fields sees the values that will run, not the class defaults.
+def _optional(annotation: Any, metadata: list[Any]) -> Any:
+    """``annotation | None``, keeping a Strict() marker (pydantic moves it into the field's metadata)."""
+    strict = [m for m in metadata if isinstance(m, Strict)]
+    return Annotated[annotation | None, *strict] if strict else annotation | None
+
+
+# A request's `sampling`: every field of SamplingParams, optional, with its type (strictness
+# included) but no bound of its own. The app's defaults are merged in and the result validated once
+# (SamplingParams.merged), so a check that involves several fields sees the values that will run.
 SamplingOverrides = create_model(
     "SamplingOverrides",
     __config__=ConfigDict(extra="forbid", frozen=True),
     __doc__="Sampling settings a request changes; the app's configured sampling fills the rest.",
     **{
-        name: (field.annotation | None, Field(None, description=field.description))
+        name: (_optional(field.annotation, field.metadata), Field(None, description=field.description))
         for name, field in SamplingParams.model_fields.items()
     },
 )
@@ -303,14 +336,14 @@ class RolloutRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompts: list[str] = Field(..., min_length=1, description="Prompts; each becomes one group.")
-    group_size: int = Field(..., ge=1, description="Samples per prompt.")
+    prompts: list[StrictStr] = Field(..., min_length=1, description="Prompts; each becomes one group.")
+    group_size: StrictInt = Field(..., ge=1, description="Samples per prompt.")
     sampling: SamplingOverrides = Field(
         default_factory=SamplingOverrides, description="Sampling settings to change; the app's config fills the rest."
     )
-    seed: int | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
-    policy_version: int | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
-    return_images: bool = Field(False, description="HTTP only: include PNG images (base64) in the answer.")
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
+    policy_version: StrictInt | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
+    return_images: StrictBool = Field(False, description="HTTP only: include PNG images (base64) in the answer.")
 
 
 class SampleOut(BaseModel):
@@ -331,3 +364,11 @@ class RolloutResponse(BaseModel):
     samples: list[SampleOut]
     metrics: dict[str, float]
 
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer of the HTTP API."""
+
+    error: str = Field(description="The kind: invalid_request, malformed_json, overloaded, PolicyVersionError, ...")
+    field: str = Field(description="The request field at fault (dotted, e.g. sampling.height; 'body'), or ''.")
+    message: str = Field(description="What was wrong and what is accepted.")

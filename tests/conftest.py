@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-# Every Ray process a test starts stays on 127.0.0.1, with one auth mode for CLI and API alike.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from serve_app.local_ray import loopback_ray_env
+
+# Every Ray process a test starts stays on 127.0.0.1 and requires this session's token (CLI and API alike).
+loopback_ray_env()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

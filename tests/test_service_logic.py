@@ -8,9 +8,16 @@ import torch
 from serve_app.assembler import TrajectoryAssembler, merge_chunks
 from serve_app.config import AdvantageConfig, IngressConfig
 from serve_app.engine import RolloutEngine
-from serve_app.errors import GroupIncompleteError, InvalidRequestError, PolicyVersionError, RequestTooLargeError
+from serve_app.errors import (
+    GroupIncompleteError,
+    InvalidRequestError,
+    NumericalError,
+    PolicyVersionError,
+    RequestTooLargeError,
+)
 from serve_app.flowgrpo.sampler import sample_group
 from serve_app.planner import RolloutPlanner
+from serve_app.policies.base import ImageGeometry
 from serve_app.rewards import CompositeReward, RewardError, RewardSpec
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import LoraSpec, WeightStore
@@ -22,7 +29,7 @@ SAMPLING = SamplingParams(height=32, width=32, num_steps=4, guidance_scale=4.0, 
 @pytest.fixture(scope="module")
 def planner(tiny_policy):
     limits = IngressConfig(max_prompts=4, max_prompt_chars=50, max_group_size=8, max_samples=16, chunk_size=3)
-    return RolloutPlanner(tiny_policy.text_processor(), limits, SAMPLING)
+    return RolloutPlanner(tiny_policy.text_processor(), limits, SAMPLING, tiny_policy.geometry, max_work=2**22)
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +125,70 @@ def test_planner_and_engine_reject_an_unpublished_version(planner, engine):
     with pytest.raises(PolicyVersionError, match="policy version 7 does not exist; available: 0"):
         planner.plan(RolloutRequest(prompts=["a"], group_size=1, policy_version=7))
     chunk = planner.plan(RolloutRequest(prompts=["a"], group_size=1)).chunks[0]
-    with pytest.raises(PolicyVersionError, match="version 7"):
-        engine.generate([dataclasses.replace(chunk, policy_version=7)])
+    (result,), _ = engine.generate([dataclasses.replace(chunk, policy_version=7)])
+    assert isinstance(result, PolicyVersionError) and "version 7" in str(result)
+
+
+def test_a_failing_chunk_in_a_fused_batch_fails_alone(planner, engine):
+    good = planner.plan(RolloutRequest(prompts=["a cat", "a dog"], group_size=3, seed=5)).chunks
+    bad = planner.plan(RolloutRequest(prompts=["a red house"], group_size=2, seed=6)).chunks[0]
+    # Token ids without the model's prompt template: this chunk's encoding raises, the others' does not.
+    broken_tokens = dataclasses.replace(bad.prompts[0], token_ids={"tokenizer": torch.tensor([1, 2, 3])})
+    bad = dataclasses.replace(bad, prompts=[broken_tokens])
+    results, _ = engine.generate([good[0], bad, good[1]])
+    assert isinstance(results[1], ValueError) and "prompt template" in str(results[1])
+    alone = [engine.generate([c])[0][0] for c in good]
+    for fused, reference in zip((results[0], results[2]), alone):
+        # Another batch composition changes fp32 matmul blocking: a few ulp, as in the fusing test above.
+        torch.testing.assert_close(fused.latents, reference.latents, atol=1e-5, rtol=0)
+
+
+def test_non_finite_samples_are_a_typed_error(planner, own_policy):
+    engine = RolloutEngine(own_policy)
+    weight = next(p for n, p in own_policy.transformer.named_parameters() if n.endswith("proj_out.weight"))
+    with torch.no_grad():
+        weight.fill_(float("inf"))
+    (result,), _ = engine.generate(planner.plan(RolloutRequest(prompts=["a"], group_size=2, seed=1)).chunks)
+    assert isinstance(result, NumericalError) and "non-finite" in str(result)
+
+
+def test_sizes_the_model_cannot_take_and_work_over_budget_fail_before_fan_out(planner, tiny_policy):
+    for sampling, field in (({"height": 36}, "sampling.height"), ({"width": 100000}, "sampling.width"),
+                            ({"height": 2**63}, "sampling.height")):
+        with pytest.raises(InvalidRequestError) as info:
+            planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling=sampling))
+        assert info.value.field == field, (sampling, info.value)
+    assert tiny_policy.geometry.max_side == 4096 * 8  # the RoPE table's 4096 positions x 8 px each
+    with pytest.raises(InvalidRequestError, match="at most 32768 px"):
+        tiny_policy.geometry.check(32768 + 8, 32)
+    narrow = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(), SAMPLING,
+                            ImageGeometry("qwen_image", 8, 256), max_work=2**22)
+    with pytest.raises(InvalidRequestError, match="at most 256 px for qwen_image") as info:
+        narrow.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"width": 264}))
+    assert info.value.field == "sampling.width"
+    # Work: 2 x 8 samples x 4 steps x 1024 tokens (256 px) x 2 (CFG) = 131072 <= 2^22; 16x that is not.
+    small = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(max_group_size=64, max_samples=1024),
+                           SAMPLING, tiny_policy.geometry, max_work=131072)
+    small.check_work(RolloutRequest(prompts=["a", "b"], group_size=8), SAMPLING.model_copy(update={"height": 256, "width": 256}))
+    with pytest.raises(RequestTooLargeError, match="exceeds the model's budget of 131072") as info:
+        small.plan(RolloutRequest(prompts=["a", "b"], group_size=8, sampling={"height": 256, "width": 512}))
+    assert info.value.field == "sampling" and info.value.http_status == 413
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"prompts": ["a \ud800 circle"], "group_size": 1}, "prompts[0]"),
+        ({"prompts": ["a"], "group_size": 1, "sampling": {"negative_prompt": "bad \udfff"}}, "sampling.negative_prompt"),
+        ({"prompts": ["a"], "group_size": 1, "sampling": {"guidance_scale": float("inf")}}, "sampling.guidance_scale"),
+        ({"prompts": ["a"], "group_size": 1, "sampling": {"guidance_scale": 1e308}}, "sampling.guidance_scale"),
+        ({"prompts": ["a"], "group_size": 1, "sampling": {"noise_level": float("nan")}}, "sampling.noise_level"),
+    ],
+)
+def test_unusable_text_and_floats_are_rejected_naming_the_field(planner, request_kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        planner.plan(RolloutRequest(**request_kwargs))
+    assert info.value.field == field
 
 
 def test_merge_rejects_missing_and_duplicated_samples(planner, engine):
@@ -154,7 +223,7 @@ def test_failing_reward_names_reward_and_prompt(planner, engine):
 def test_request_sampling_is_validated_after_the_app_defaults_are_merged(tiny_policy):
     # The app's window range [0, 2) allows 4 steps; the class default (0, 5) would not.
     app_sampling = SAMPLING.model_copy(update={"num_steps": 10})
-    planner = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(), app_sampling)
+    planner = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(), app_sampling, tiny_policy.geometry, max_work=2**22)
     plan = planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"num_steps": 4}))
     assert plan.chunks[0].sampling.num_steps == 4 and plan.chunks[0].sampling.sde_window_range == (0, 2)
     with pytest.raises(InvalidRequestError) as info:
@@ -178,7 +247,9 @@ def own_policy(tiny_qwen_dir):
 def test_latest_is_resolved_once_per_request(own_policy, assembler, tmp_path):
     tiny_policy = own_policy
     store = WeightStore(tmp_path / "weights")
-    planner = RolloutPlanner(tiny_policy.text_processor(), IngressConfig(chunk_size=2), SAMPLING, store)
+    planner = RolloutPlanner(
+        tiny_policy.text_processor(), IngressConfig(chunk_size=2), SAMPLING, tiny_policy.geometry, max_work=2**22, store=store
+    )
     assert planner.plan(RolloutRequest(prompts=["a"], group_size=1)).policy_version == 0
     lora = {k: v for k, v in _lora_state(tiny_policy).items()}
     store.publish(1, lora, kind="lora", lora=_SPEC)

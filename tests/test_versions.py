@@ -36,7 +36,9 @@ def setup(tmp_path, tiny_qwen_dir):
     policy = load_policy(tiny_qwen_dir)  # its own copy: versions add an adapter to the transformer
     store = WeightStore(tmp_path / "weights")
     engine = RolloutEngine(policy, store)
-    planner = RolloutPlanner(policy.text_processor(), IngressConfig(chunk_size=2), SAMPLING, store)
+    planner = RolloutPlanner(
+        policy.text_processor(), IngressConfig(chunk_size=2), SAMPLING, policy.geometry, max_work=2**22, store=store
+    )
     return policy, store, engine, planner
 
 

@@ -11,6 +11,7 @@ import abc
 import copy
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,6 +53,35 @@ class TextProcessor(abc.ABC):
 
     @abc.abstractmethod
     def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]: ...
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """The image sizes a model takes and what one image costs it (what the ingress checks before any
+    replica sees a request; replicas report it, see DiffusionReplica.geometry)."""
+
+    family: str
+    spatial_multiple: int  # height and width are multiples of this (VAE factor x patch size)
+    max_side: int  # the largest height or width the position embedding covers
+
+    def check(self, height: int, width: int) -> None:
+        """Raise InvalidRequestError naming the field when the model cannot take height x width."""
+        for field, value in (("sampling.height", height), ("sampling.width", width)):
+            if value % self.spatial_multiple:
+                raise InvalidRequestError(
+                    f"must be a multiple of {self.spatial_multiple} (VAE factor x patch size) for {self.family}; "
+                    f"got {height}x{width}",
+                    field,
+                )
+            if value > self.max_side:
+                raise InvalidRequestError(
+                    f"at most {self.max_side} px for {self.family} (its position embedding's extent); got {value}",
+                    field,
+                )
+
+    def tokens(self, height: int, width: int) -> int:
+        """Latent tokens of one height x width image."""
+        return (height // self.spatial_multiple) * (width // self.spatial_multiple)
 
 
 class DiffusionPolicy(abc.ABC):
@@ -124,14 +154,17 @@ class DiffusionPolicy(abc.ABC):
     def spatial_multiple(self) -> int:
         """Height and width must be multiples of this (VAE factor x patch size)."""
 
+    @property
+    @abc.abstractmethod
+    def max_tokens_per_axis(self) -> int:
+        """Image tokens along one axis the transformer's position embedding covers."""
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple)
+
     def check_size(self, height: int, width: int) -> None:
-        m = self.spatial_multiple
-        if height % m or width % m:
-            raise InvalidRequestError(
-                f"height and width must be multiples of {m} (VAE factor x patch size) for {self.family}; "
-                f"got {height}x{width}",
-                "sampling.height" if height % m else "sampling.width",
-            )
+        self.geometry.check(height, width)
 
     @abc.abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:

@@ -70,6 +70,11 @@ class QwenImagePolicy(DiffusionPolicy):
     def spatial_multiple(self) -> int:
         return self._vae_factor * 2  # 2x2 latent packing
 
+    @property
+    def max_tokens_per_axis(self) -> int:
+        # QwenEmbedRope precomputes its rotary frequencies for 4096 positions per axis.
+        return int(self.pipeline.transformer.pos_embed.pos_freqs.shape[0])
+
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
         return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)

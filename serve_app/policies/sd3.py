@@ -125,6 +125,12 @@ class SD3Policy(DiffusionPolicy):
     def spatial_multiple(self) -> int:
         return self._vae_factor * self._patch_size
 
+    @property
+    def max_tokens_per_axis(self) -> int:
+        # SD3 crops a pos_embed_max_size x pos_embed_max_size table of patch positions.
+        config = self.pipeline.transformer.config
+        return int(config.pos_embed_max_size or config.sample_size // self._patch_size)
+
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         channels = self.pipeline.transformer.config.in_channels
         return (channels, height // self._vae_factor, width // self._vae_factor)

@@ -18,6 +18,8 @@ import httpx
 import pytest
 import yaml
 
+from serve_app.local_ray import loopback_ray_env
+
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +33,9 @@ def _free_port() -> int:
 
 
 def _dashboard_up(port: int) -> bool:
+    token = {"authorization": f"Bearer {loopback_ray_env()['RAY_AUTH_TOKEN']}"}
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/api/ray/version", timeout=2).status_code == 200
+        return httpx.get(f"http://127.0.0.1:{port}/api/ray/version", headers=token, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -47,8 +50,7 @@ def head_node(flowgrpo_home, tmp_path_factory):
     env = {
         **os.environ,
         "FLOWGRPO_HOME": flowgrpo_home,
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "disabled",
+        **loopback_ray_env(),
         "RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
     }
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths must fit 107 chars
@@ -149,3 +151,13 @@ def test_an_option_set_in_serve_config_and_in_args_fails_the_deploy_naming_both(
     message = app["deployments"]["DiffusionReplica"]["message"]
     assert "ray_actor_options.num_gpus = 0" in message and "replica.num_gpus = 1" in message, message
     assert "deployments:" in message, message
+
+
+def test_the_dashboard_refuses_a_job_without_the_token(head_node):
+    env, dashboard, _, _ = head_node
+    job = {"entrypoint": "echo hello"}
+    refused = httpx.post(f"{dashboard}/api/jobs/", json=job, timeout=30)
+    assert refused.status_code in (401, 403), refused.text
+    listed = httpx.get(f"{dashboard}/api/jobs/", timeout=30,
+                       headers={"authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"})
+    assert listed.status_code == 200, listed.text  # the same API answers the cluster's own token

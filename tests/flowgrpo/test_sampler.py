@@ -134,7 +134,7 @@ def test_invalid_sampling_params(update, match):
 
 def test_size_not_a_multiple_of_the_spatial_factor(policy, text):
     params = PARAMS.model_copy(update={"height": 36})
-    with pytest.raises(ValueError, match="multiples of 8"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         sample_group(policy, text.tokenize(["a cat"]), 1, params, policy_version=0)
 
 

@@ -48,7 +48,7 @@ def test_detected_family_and_frozen_parts(policy):
     assert all(p.requires_grad for p in policy.transformer.parameters())
     assert policy.spatial_multiple == 8  # VAE 4 x patch 2
     assert policy.latent_shape(32, 48) == (4, 8, 12)
-    with pytest.raises(ValueError, match="multiples of 8"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         policy.check_size(36, 32)
 
 

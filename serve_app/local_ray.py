@@ -1,0 +1,25 @@
+"""The environment of every Ray process this project starts on one machine (tests, demo, benchmarks).
+
+- RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps a single-node cluster on 127.0.0.1 (Ray binds to the
+  machine's routable address otherwise).
+- RAY_AUTH_MODE=token with a random RAY_AUTH_TOKEN: Serve replicas serve their inter-deployment gRPC on
+  all interfaces ([::]) whatever the node address, and that server unpickles what it receives; Ray's
+  token authentication puts an interceptor in front of it (and of the dashboard's HTTP API), so a
+  client without the cluster's token is refused. The CLI (`ray start`, `serve deploy`) reads the same
+  two variables, which is why they are set once, here or in the Makefile, for every process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+
+def loopback_ray_env() -> dict[str, str]:
+    """Set the variables above in this process where unset (children inherit them); return them."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    names = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")
+    return {name: os.environ[name] for name in names}

@@ -1,0 +1,217 @@
+"""On a real cluster: one client's bad request never fails another's, a killed replica loses no request,
+and every error answer is a clean JSON body.
+
+One module-scoped single-node cluster on 127.0.0.1 with an app of exactly two replicas that never fuse
+chunks (max_batch_size 1) and use one torch thread each, so a chunk re-run on the other replica gives
+bit-for-bit the trajectory of the undisturbed run.
+"""
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.cluster
+
+PORT = 8127
+APP = "flowgrpo-reliability"
+OVERRIDES = [
+    f"app_name={APP}",
+    "sampling.num_steps=10",
+    "ingress.chunk_size=4",
+    "replica.num_cpus=0.2",
+    "replica.torch_threads=1",
+    "replica.max_batch_size=1",
+    "replica.max_ongoing_requests=2",
+    "replica.autoscaling.min_replicas=2",
+    "replica.autoscaling.max_replicas=2",
+]
+
+
+def _deploy(name: str, overrides: list[str]) -> None:
+    from ray import serve
+
+    from serve_app.app import AppArgs, build_app
+
+    serve.run(build_app(AppArgs(overrides=overrides)), name=name, route_prefix=f"/{name}")
+
+
+@pytest.fixture(scope="module")
+def cluster(flowgrpo_home):
+    import ray
+    from ray import serve
+
+    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"FLOWGRPO_HOME": flowgrpo_home}})
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    _deploy(APP, OVERRIDES)
+    yield f"http://127.0.0.1:{PORT}/{APP}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _body(seed: int, **extra) -> dict:
+    return {"prompts": [f"a cat number {seed}"], "group_size": 8, "seed": seed, **extra}
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.post(f"{url}/v1/rollouts", json=body, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("bad", "status", "field"),
+    [
+        ({"policy_version": 999999}, 409, ""),
+        ({"sampling": {"height": 33}}, 422, "sampling.height"),
+        ({"sampling": {"height": 2**63}}, 422, "sampling.height"),
+    ],
+)
+def test_a_bad_request_beside_good_ones_fails_alone(cluster, bad, status, field):
+    bodies = [_body(i) for i in range(8)]
+    bodies.insert(4, _body(100, **bad))
+    with ThreadPoolExecutor(9) as pool:
+        responses = list(pool.map(lambda b: _post(cluster, b), bodies))
+    failed = responses.pop(4)
+    assert [r.status_code for r in responses] == [200] * 8, [r.text[:200] for r in responses]
+    assert failed.status_code == status and failed.json()["field"] == field, failed.text
+
+
+def _replica_pids(app: str) -> list[int]:
+    """Ray titles each actor process `ray::<class>`; the app name is unique to this module."""
+    import psutil
+
+    title = f"ray::ServeReplica:{app}:DiffusionReplica"
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].strip() == title]
+
+
+def _kill_one_replica_during(url: str, app: str, seeds: range) -> list[httpx.Response]:
+    """Send one request per seed at once and SIGKILL a DiffusionReplica while they run."""
+    pids = _replica_pids(app)
+    assert len(pids) == 2, pids
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(_post, url, _body(s)) for s in seeds]
+        time.sleep(0.5)  # every request is planned and its chunks are on the replicas
+        os.kill(pids[0], signal.SIGKILL)
+        responses = [f.result() for f in futures]
+    _wait_for_two_replicas(app)
+    assert pids[0] not in _replica_pids(app)  # Serve replaced the killed process
+    return responses
+
+
+def _trajectory(response: httpx.Response) -> torch.Tensor:
+    return torch.tensor([s["log_probs"] for s in response.json()["samples"]])
+
+
+def _wait_for_two_replicas(app: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(_replica_pids(app)) != 2:
+        assert time.monotonic() < deadline, "Serve did not restart the killed replica"
+        time.sleep(1)
+
+
+def test_a_killed_replica_loses_no_request(cluster):
+    seeds = range(10)
+    undisturbed = [_post(cluster, _body(s)) for s in seeds]
+    assert all(r.status_code == 200 for r in undisturbed)
+    disturbed = _kill_one_replica_during(cluster, APP, seeds)
+    assert [r.status_code for r in disturbed] == [200] * 10, [r.text[:300] for r in disturbed]
+    for before, after in zip(undisturbed, disturbed):
+        # Re-run chunks come from their seeds: exactly the undisturbed trajectories.
+        assert torch.equal(_trajectory(before), _trajectory(after))
+        assert [s["seed"] for s in before.json()["samples"]] == [s["seed"] for s in after.json()["samples"]]
+
+
+def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
+    from ray import serve
+
+    app = f"{APP}-noretry"
+    _deploy(app, [o.replace(APP, app) for o in OVERRIDES] + ["ingress.chunk_retries=0"])
+    url = cluster.replace(APP, app)
+    try:
+        failures = []
+        for attempt in range(3):  # a kill that lands between chunks fails nothing; try again
+            _wait_for_two_replicas(app)  # the app's replicas may still be starting
+            responses = _kill_one_replica_during(url, app, range(20 * attempt, 20 * attempt + 10))
+            assert {r.status_code for r in responses} <= {200, 503}, [r.text[:300] for r in responses]
+            failures += [r for r in responses if r.status_code == 503]
+            if failures:
+                break
+        assert failures, "no request was in flight on the killed replica in 3 tries"
+        for response in failures:
+            body = response.json()
+            assert body["error"] == "ReplicaUnavailableError" and "retry" in body["message"], body
+    finally:
+        serve.delete(app)
+
+
+def test_error_bodies_carry_the_typed_cause_without_internals(cluster):
+    missing = _post(cluster, _body(1, policy_version=999999))
+    assert missing.status_code == 409
+    body = missing.json()
+    assert body == {"error": "PolicyVersionError", "field": "",
+                    "message": "policy version 999999 does not exist; available: 0 (base)"}
+    malformed = httpx.post(f"{cluster}/v1/rollouts", content=b'{"prompts": ["a"', timeout=60,
+                           headers={"content-type": "application/json"})
+    assert malformed.status_code == 400 and malformed.json()["field"] == "body", malformed.text
+    for field, value in (("policy_version", True), ("policy_version", "7"), ("group_size", 2.0)):
+        response = _post(cluster, {"prompts": ["a"], "group_size": 2, field: value})
+        assert response.status_code == 422 and response.json()["field"] == field, (field, value, response.text)
+    for sampling, field in (({"guidance_scale": 1e308}, "sampling.guidance_scale"),
+                            ({"num_steps": "7"}, "sampling.num_steps")):
+        response = _post(cluster, {"prompts": ["a"], "group_size": 2, "sampling": sampling})
+        assert response.status_code == 422 and response.json()["field"] == field, response.text
+    surrogate = httpx.post(f"{cluster}/v1/rollouts", timeout=60, headers={"content-type": "application/json"},
+                           content=json.dumps({"prompts": ["a \ud800 circle"], "group_size": 2}).encode())
+    assert surrogate.status_code == 422 and surrogate.json()["field"] == "prompts[0]", surrogate.text
+    infinite = httpx.post(f"{cluster}/v1/rollouts", timeout=60, headers={"content-type": "application/json"},
+                          content=b'{"prompts": ["a"], "group_size": 2, "sampling": {"noise_level": Infinity}}')
+    assert infinite.status_code == 422 and infinite.json()["field"] == "sampling.noise_level", infinite.text
+    spec = httpx.get(f"{cluster}/openapi.json", timeout=10).json()
+    documented = spec["paths"]["/v1/rollouts"]["post"]["responses"]
+    assert {"400", "409", "413", "422", "503"} <= set(documented)
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    import psutil
+
+    return [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def _grpc_status(port: int, token: str | None) -> "grpc.StatusCode":
+    """The status of an empty call over loopback to the method Serve replicas serve each other
+    (the one that unpickles its request), with or without the cluster's token."""
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/ray.serve.ASGIService/HandleRequest")
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        try:
+            call(b"", metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_nothing_beyond_loopback_serves_a_client_without_the_token(cluster):
+    import grpc
+    import psutil
+
+    # Every process of this cluster: ray.init started them under this test process.
+    pids = {psutil.Process().pid, *(p.pid for p in psutil.Process().children(recursive=True))}
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    exposed = [(ip, port, pid) for ip, port, pid in _listening(pids) if ip not in loopback]
+    # Serve's replicas start their inter-deployment gRPC server on [::]; nothing else listens beyond loopback.
+    titles = {pid: psutil.Process(pid).cmdline()[0] for _, _, pid in exposed}
+    assert exposed and all(t.startswith("ray::ServeReplica:") for t in titles.values()), titles
+    for _, port, pid in exposed:
+        assert _grpc_status(port, None) == grpc.StatusCode.UNAUTHENTICATED, titles[pid]
+        # With the token the same call gets past authentication (and fails on its empty request):
+        # the refusal above is the token's, not the request's.
+        assert _grpc_status(port, os.environ["RAY_AUTH_TOKEN"]) != grpc.StatusCode.UNAUTHENTICATED, titles[pid]
