@@ -6,12 +6,22 @@ is the model before training) and saves a grid; `finish()` adds `eval_before.png
 import path in `trainer.evaluation.evaluator` and built with `trainer.evaluation.args`:
 :class:`RewardEvaluator` (the configured reward's mean) by default, or a world's own, such as
 ``serve_app.shapes.evaluation:ShapesEvaluator``.
+
+An evaluator that is `paired` gives its headline per image; every evaluation then also reports the
+change of the headline against the split's first evaluation (step 0) on the same prompts and seeds,
+with a paired bootstrap interval over images (`<headline>_change`, `_lo`, `_hi`). The first evaluation's
+per-image values are kept in `eval_reference_<split>.json` next to eval.csv, so a resumed run
+(`append=True`) still compares against step 0; in a folder without that file (a run from before
+it existed) the first evaluation after the resume becomes the reference.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,30 +30,51 @@ import torch
 from serve_app.imports import import_object
 from serve_app.rewards import TOTAL_KEY
 from serve_app.trainer.outputs import MetricsLog, save_image_grid
+from serve_app.trainer.statistics import bootstrap_interval
 
 if TYPE_CHECKING:
     from serve_app.trainer.config import TrainerRunConfig
 
 BASE_COLUMNS = ["step", "split", "policy_version", "weights", "train_minutes", "images_sampled", "eval_reward_mean"]
+CONFIDENCE = 0.95  # of every interval in eval.csv
+
+
+def change_columns(headline: str) -> list[str]:
+    """eval.csv's columns of the paired change of `headline` against the first evaluation."""
+    return [f"{headline}_change", f"{headline}_change_lo", f"{headline}_change_hi"]
+
+
+@dataclass(frozen=True)
+class SplitScores:
+    """What an evaluator measured on one split's images."""
+
+    metrics: dict[str, float] = field(default_factory=dict)  # its `columns`
+    per_image: list[float] | None = None  # the headline per image (its mean), for the paired change
 
 
 class Evaluator(abc.ABC):
     """What an evaluation measures: named prompt splits, metrics of a split's images, pictures.
 
     `columns` are the metrics `score` adds to eval.csv; `headline` is the column summaries and grid
-    titles report (`eval_reward_mean`, which every row has, unless the evaluator says otherwise).
+    titles report (`eval_reward_mean`, which every row has, unless the evaluator says otherwise);
+    `paired` evaluators give the headline per image, for its change against the first evaluation.
     """
 
     columns: ClassVar[tuple[str, ...]] = ()
     headline: ClassVar[str] = "eval_reward_mean"
+    paired: ClassVar[bool] = False
 
     @abc.abstractmethod
     def splits(self) -> dict[str, list[str]]:
         """Prompt sets by name, in a fixed order; the first is the one summaries compare."""
 
-    def score(self, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    def samples_per_prompt(self, split: str, configured: int) -> int:
+        """Fixed seeds per prompt of `split`; `configured` is trainer.evaluation.samples_per_prompt."""
+        return configured
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> SplitScores:
         """Metrics of uint8 images [N, 3, H, W], one prompt each (beyond the reward mean)."""
-        return {}
+        return SplitScores()
 
     def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str) -> None:
         save_image_grid(images, path, columns=columns)
@@ -54,8 +85,21 @@ class Evaluator(abc.ABC):
     def format(self, value: float) -> str:
         return f"{value:.5f}"
 
-    def describe_change(self, first: float, last: float) -> str:
-        return f"{self.format(first)} -> {self.format(last)} ({last - first:+.5f})"
+    def format_change(self, delta: float) -> str:
+        return f"{delta:+.5f}"
+
+    def describe_change(self, first: dict[str, Any], last: dict[str, Any]) -> str:
+        """The headline from the `first` to the `last` eval.csv row; with the paired interval when the
+        rows have one, and whether it tells the change from none (the interval excludes 0)."""
+        key = self.headline
+        text = f"{self.format(first[key])} -> {self.format(last[key])}"
+        change, lo, hi = change_columns(key)
+        if hi not in last:
+            return f"{text} ({self.format_change(last[key] - first[key])})"
+        distinguishable = last[lo] > 0 or last[hi] < 0
+        verdict = f"{'' if distinguishable else 'not '}distinguishable from no change"
+        return (f"{text} ({self.format_change(last[change])}, paired {CONFIDENCE:.0%} interval "
+                f"{self.format_change(last[lo])} to {self.format_change(last[hi])}: {verdict})")
 
 
 class RewardEvaluator(Evaluator):
@@ -80,6 +124,35 @@ def build_evaluator(config: TrainerRunConfig) -> Evaluator:
     return evaluator
 
 
+@dataclass(frozen=True)
+class PairedReference:
+    """The per-image headline of a split's first evaluation, keyed by (prompt, seed): what later
+    evaluations of the same images are paired with."""
+
+    step: int
+    values: dict[tuple[str, int], float]
+
+    def save(self, path: Path) -> None:
+        images = [{"prompt": p, "seed": s, "value": v} for (p, s), v in self.values.items()]
+        path.write_text(json.dumps({"step": self.step, "images": images}))
+
+    @classmethod
+    def load(cls, path: Path) -> PairedReference:
+        saved = json.loads(path.read_text())
+        return cls(saved["step"], {(i["prompt"], i["seed"]): i["value"] for i in saved["images"]})
+
+    def change(self, prompts: Sequence[str], seeds: Sequence[int], values: Sequence[float]) -> list[float]:
+        """Per image, `values` minus this reference's value of the same prompt and seed."""
+        keys = list(zip(prompts, seeds))
+        if set(keys) != set(self.values) or len(keys) != len(self.values):
+            raise ValueError(
+                f"this evaluation sampled {len(keys)} (prompt, seed) pairs, its reference (step {self.step}) "
+                f"{len(self.values)}, not the same ones: the evaluation's prompts, samples_per_prompt or "
+                "validation seed changed since; pairing needs the same images"
+            )
+        return [value - self.values[key] for key, value in zip(keys, values)]
+
+
 class RunEvaluator:
     """Samples every split through the app and keeps eval.csv, the grids and the evaluator's plot."""
 
@@ -89,7 +162,11 @@ class RunEvaluator:
         self.evaluator = build_evaluator(config)
         self.splits = self.evaluator.splits()
         self.first_split = next(iter(self.splits))
-        self.log = MetricsLog(out / "eval.csv", append=append, columns=BASE_COLUMNS + list(self.evaluator.columns))
+        paired = change_columns(self.evaluator.headline) if self.evaluator.paired else []
+        self.log = MetricsLog(out / "eval.csv", append=append,
+                              columns=BASE_COLUMNS + list(self.evaluator.columns) + paired)
+        self.references = {split: PairedReference.load(self._reference_path(split)) for split in self.splits
+                           if append and self._reference_path(split).is_file()}
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -99,6 +176,12 @@ class RunEvaluator:
     def _grid_path(self, step: int, split: str) -> Path:
         suffix = "" if split == self.first_split else f"_{split}"
         return self.out / f"eval{suffix}_step{step:05d}.png"
+
+    def _reference_path(self, split: str) -> Path:
+        return self.out / f"eval_reference_{split}.json"
+
+    def samples_per_prompt(self, split: str) -> int:
+        return self.evaluator.samples_per_prompt(split, self.settings.samples_per_prompt)
 
     def evaluate(self, step: int, version: int, *, weights: str, train_minutes: float,
                  images_sampled: int) -> dict[str, Any]:
@@ -112,7 +195,7 @@ class RunEvaluator:
                         train_minutes: float, images_sampled: int) -> dict[str, Any]:
         validation = self.config.validation
         sampling = self.config.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed)
-        per_prompt = self.settings.samples_per_prompt
+        per_prompt = self.samples_per_prompt(split)
         batch = self.client.rollout(split_prompts, per_prompt, sampling=sampling, policy_version=version,
                                     seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s)
         images = batch.trajectory.images
@@ -122,7 +205,10 @@ class RunEvaluator:
             "train_minutes": train_minutes, "images_sampled": images_sampled,
             "eval_reward_mean": float(batch.rewards[TOTAL_KEY].mean()),
         }
-        row.update(self.evaluator.score(images, prompts))
+        scores = self.evaluator.score(images, prompts)
+        row.update(scores.metrics)
+        if self.evaluator.paired:
+            row.update(self._paired_change(split, step, prompts, batch.trajectory.seeds.tolist(), scores.per_image))
         shown = min(self.settings.grid_samples, per_prompt)
         keep = [i for i in range(len(prompts)) if i % per_prompt < shown]
         headline = self.evaluator.headline
@@ -132,6 +218,19 @@ class RunEvaluator:
         )
         self.log.append(row)
         return row
+
+    def _paired_change(self, split: str, step: int, prompts: list[str], seeds: list[int],
+                       per_image: list[float] | None) -> dict[str, float]:
+        """The headline's change against the split's first evaluation, with its paired bootstrap interval
+        (each image's two values stay together); the first evaluation becomes the reference (and is saved)."""
+        if per_image is None:
+            raise TypeError(f"{type(self.evaluator).__name__} is paired but its score gave no per-image values")
+        if split not in self.references:
+            self.references[split] = PairedReference(step, dict(zip(zip(prompts, seeds), per_image)))
+            self.references[split].save(self._reference_path(split))
+        change = self.references[split].change(prompts, seeds, per_image)
+        lo, hi = bootstrap_interval(change, confidence=CONFIDENCE)
+        return dict(zip(change_columns(self.evaluator.headline), (sum(change) / len(change), lo, hi)))
 
     def finish(self) -> None:
         if not self.rows:
@@ -152,8 +251,8 @@ class RunEvaluator:
                 continue
             first, last = rows[0], rows[-1]
             lines.append(
-                f"eval {key} on {len(prompts)} {split} prompts x {self.settings.samples_per_prompt} seeds: "
-                f"{self.evaluator.describe_change(first[key], last[key])} from step {int(first['step'])} to "
+                f"eval {key} on {len(prompts)} {split} prompts x {self.samples_per_prompt(split)} seeds: "
+                f"{self.evaluator.describe_change(first, last)} from step {int(first['step'])} to "
                 f"{int(last['step'])} ({last['train_minutes']:.1f} min of training)"
             )
         return "\n".join(lines)

@@ -1,9 +1,13 @@
-"""Statistics of a run's per-step figures, measured against their own step-to-step noise."""
+"""Statistics of a run's figures: per-step figures against their own step-to-step noise, and the
+intervals of evaluation accuracies and of their paired changes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from statistics import NormalDist
 
+import numpy as np
 import torch
 
 
@@ -23,3 +27,38 @@ def first_and_last(values: Sequence[float], *, share: float = 0.25) -> tuple[lis
     """The first and the last `share` of `values` (at least 2 each), for comparing the start of a run to its end."""
     k = max(2, int(len(values) * share))
     return list(values[:k]), list(values[-k:])
+
+
+def z_value(confidence: float) -> float:
+    """The two-sided standard-normal quantile of a confidence level (1.96 for 0.95)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1); got {confidence}")
+    return NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def wilson_interval(successes: int, trials: int, *, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a proportion: unlike p +- z·se it stays inside [0, 1] and does not
+    collapse to a point at 0 or n successes, which small evaluations often hit."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"need 0 <= successes <= trials and trials >= 1; got {successes} of {trials}")
+    z2 = z_value(confidence) ** 2
+    p = successes / trials
+    centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = math.sqrt(z2) / (1 + z2 / trials) * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials**2))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bootstrap_interval(values: Sequence[float], *, confidence: float = 0.95, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(values), resampling the values with replacement.
+
+    For a paired comparison pass the per-item differences (after - before): each pair stays
+    together. Seeded: the same values give the same interval.
+    """
+    if not len(values):
+        raise ValueError("no values to resample")
+    data = np.asarray(values, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
+    tail = 100 * (1 - confidence) / 2
+    lo, hi = np.percentile(data[picks].mean(axis=1), [tail, 100 - tail])
+    return float(lo), float(hi)

@@ -45,7 +45,7 @@ def test_checker_accuracy_on_ground_truth_scenes():
     failures = [s.prompt() for s in specs if not check(render(s, rng), s).strict]
     accuracy = 1 - len(failures) / N_SCENES
     print(f"checker strict accuracy: {accuracy:.4f} ({N_SCENES - len(failures)}/{N_SCENES})")
-    assert accuracy >= 0.99, failures[:10]
+    assert not failures, failures[:10]  # its own renderer's scenes are all right (measured: 10,000 of 10,000)
 
 
 def test_every_prompt_renders_to_a_strict_pass():
@@ -98,12 +98,19 @@ def test_blurred_scenes_give_unknown_shapes():
 
 
 _YY, _XX = np.mgrid[:14, :14]
+# A triangle whose base narrows again (drawn so by the shipped model): fill 0.6, in the triangle band,
+# and every pixel that differs from the template is on its edge - but a whole row of it.
+KITE = np.array([[c == "#" for c in row] for row in (
+    "....##....", "....##....", "...####...", "...####...", "..######..", "..######..",
+    ".########.", ".########.", "##########", "##########", ".########.", "...####...",
+)])
 IRREGULAR = {
     "rectangle": np.ones((8, 16), dtype=bool),  # wrong aspect
     "ellipse": shape_mask("circle", 10, 16),
     "outline": ~np.pad(np.ones((8, 8), dtype=bool), 3),  # fill 0.67: in the triangle band
     "plus": (np.abs(_YY - 6.5) < 3) | (np.abs(_XX - 6.5) < 3),  # fill 0.67 too
     "diamond": np.abs(_YY - 6.5) + np.abs(_XX - 6.5) <= 7,  # fill 0.57
+    "kite": KITE,
 }
 
 
@@ -118,6 +125,15 @@ def test_exact_shapes_of_every_size_are_recognised(shape):
     for s in range(8, 25):
         (obj,) = detect(paint(blank(), shape_mask(shape, s, s), 3, 4))
         assert obj.shape == shape and obj.bbox == (3, 4, 3 + s, 4 + s) and obj.area == shape_mask(shape, s, s).sum()
+
+
+@pytest.mark.parametrize("background", [(255, 255, 255), (0, 0, 0), (128, 128, 128), (150, 90, 160)])
+def test_any_uniform_background_that_is_no_object_colour(background):
+    rng = np.random.default_rng(4)
+    for spec in sample_specs(rng, 20):
+        img = render(spec, rng)
+        img[:, (img == np.array(BACKGROUND, dtype=np.uint8)[:, None, None]).all(0)] = np.array(background)[:, None]
+        assert check(img, spec).strict, (background, spec.prompt())
 
 
 def test_rotated_triangle_is_a_triangle():

@@ -1,10 +1,11 @@
-"""Welch's t on hand-computed values."""
+"""Welch's t, Wilson intervals and the bootstrap on hand-computed values."""
 
 import math
 
+import numpy as np
 import pytest
 
-from serve_app.trainer.statistics import first_and_last, welch_t
+from serve_app.trainer.statistics import bootstrap_interval, first_and_last, welch_t, wilson_interval, z_value
 
 
 def test_welch_t_on_hand_values():
@@ -20,3 +21,46 @@ def test_welch_t_on_hand_values():
 def test_first_and_last_quarter():
     assert first_and_last(list(range(16))) == ([0, 1, 2, 3], [12, 13, 14, 15])
     assert first_and_last([1, 2, 3]) == ([1, 2], [2, 3])  # at least two a side
+
+
+def test_z_value():
+    assert z_value(0.95) == pytest.approx(1.959964, abs=1e-6)
+    assert z_value(0.5) == pytest.approx(0.674490, abs=1e-6)
+    with pytest.raises(ValueError, match="confidence"):
+        z_value(1.0)
+
+
+def test_wilson_interval_on_hand_values():
+    # 8 of 10, z^2 = 3.841459: centre (0.8 + 0.192073) / 1.384146 = 0.716740,
+    # half 1.959964 / 1.384146 * sqrt(0.016 + 0.0096036) = 0.226577
+    assert wilson_interval(8, 10) == pytest.approx((0.490163, 0.943317), abs=1e-6)
+    # None of 10: the interval keeps a width, 0 to 2 * 0.192073 / 1.384146
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.277533), abs=1e-6)
+    assert wilson_interval(10, 10) == pytest.approx((0.722467, 1.0), abs=1e-6)
+    # 50%: symmetric, and narrower with more trials (18 of 56 vs 144 of 448, the same 32.1%)
+    lo, hi = wilson_interval(5, 10)
+    assert 0.5 - lo == pytest.approx(hi - 0.5)
+    assert np.subtract(*wilson_interval(144, 448)[::-1]) < np.subtract(*wilson_interval(18, 56)[::-1]) / 2.5
+    for bad in ((11, 10), (-1, 10), (0, 0)):
+        with pytest.raises(ValueError, match="successes"):
+            wilson_interval(*bad)
+
+
+def test_bootstrap_interval_on_hand_values():
+    # [0, 1]: a resample's mean is 0, 1/2 or 1 (chances 1/4, 1/2, 1/4), so the 2.5% and 97.5%
+    # percentiles of 2000 resamples are 0 and 1.
+    assert bootstrap_interval([0, 1]) == (0.0, 1.0)
+    assert bootstrap_interval([0.25] * 7) == (0.25, 0.25)  # nothing varies
+    # Seeded: the same values give the same interval.
+    values = [0, 1, 1, 0, 1, 1, 1, 0]
+    assert bootstrap_interval(values) == bootstrap_interval(values)
+    with pytest.raises(ValueError, match="no values"):
+        bootstrap_interval([])
+
+
+def test_bootstrap_interval_matches_the_normal_one_on_a_large_sample():
+    # 200 ones and 200 zeros: standard error sqrt(0.25 / 400) = 0.025, 95% half-width 0.049. The
+    # percentile bootstrap's Monte Carlo error at 2000 resamples is ~0.0015, its grid 1/400.
+    lo, hi = bootstrap_interval([1.0] * 200 + [0.0] * 200)
+    assert (hi - lo) / 2 == pytest.approx(1.959964 * 0.025, abs=0.006)
+    assert (lo + hi) / 2 == pytest.approx(0.5, abs=0.006)

@@ -42,7 +42,12 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
     assert [int(r["images_sampled"]) for r in evals] == [0, 8, 16]
     for row in evals:
         for column in EVAL_COLUMNS:
-            assert 0.0 <= float(row[column]) <= 1.0
+            assert 0.0 <= float(row[f"{column}_lo"]) <= float(row[column]) <= float(row[f"{column}_hi"]) <= 1.0
+        change = float(row["strict_accuracy_change"])
+        assert float(row["strict_accuracy_change_lo"]) <= change <= float(row["strict_accuracy_change_hi"])
+        # Paired: the same 14 images' verdicts against step 0's, so the change is what the rows say.
+        assert change == pytest.approx(float(row["strict_accuracy"]) - float(evals[0]["strict_accuracy"]))
+    assert (out / "eval_reference_held_out.json").is_file() and (out / "eval_reference_train.json").is_file()
     # The rows are the checker's verdicts on 14 held-out prompts x 1 fixed seed: multiples of 1/14.
     assert all(abs(float(r["strict_accuracy"]) * 14 - round(float(r["strict_accuracy"]) * 14)) < 1e-9 for r in evals)
     for name in ("eval_before.png", "eval_after.png", "eval_before_train.png", "eval_after_train.png",
@@ -51,4 +56,4 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert header[:3] == ["step", "policy_version", "reward_mean"]
     assert "reward_shapes_strict_mean" in header and "reward_shapes_partial_mean" in header
-    assert "strict_accuracy" in trainer.summary()
+    assert "strict_accuracy" in trainer.summary() and "paired 95% interval" in trainer.summary()
