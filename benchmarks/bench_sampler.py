@@ -56,7 +56,7 @@ def bench_case(name: str, *, batch: int, steps: int, repeats: int, guidance: flo
         # Encoding is part of the work, as in the stock call.
         conditioning = encode_conditioning(policy, tokens, index, None, params)
         rollout(policy, conditioning, seeds, params, window_start=1 if params.sde_window_size else None,
-                prompt_index=index, sample_index=seeds, policy_version=0)
+                prompt_index=index, sample_index=seeds, policy_version=0, weights_hash="base")
 
     runs = {"stock_pipeline": stock, **{k: (lambda p=p: ours(p)) for k, p in variants.items()}}
     for fn in runs.values():  # warm-up

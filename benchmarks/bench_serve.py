@@ -17,7 +17,6 @@ import os
 import pickle
 import platform
 import statistics
-import sys
 import time
 
 from serve_app.local_ray import loopback_ray_env  # noqa: E402
@@ -98,22 +97,13 @@ def main() -> None:
     run_local(request)  # warm-up, and the time of one chunk
     chunk_seconds = (time.perf_counter() - started) / max(1, images // 8)
 
-    import ray
     from ray import serve
 
     from serve_app.app import AppArgs, build_app
     from serve_app.client import RolloutClient
+    from serve_app.local_ray import benchmark_cluster
 
-    env = {k: os.environ[k] for k in ("FLOWGRPO_HOME", "HF_HUB_OFFLINE") if k in os.environ}
-    # Ray writes a few shutdown lines to fd 1; send them to stderr so stdout stays pure JSON.
-    sys.stdout.flush()
-    stdout_fd = os.dup(1)
-    os.dup2(2, 1)
-    # log_to_driver=False: the workers' logs would otherwise interleave with the JSON on stdout.
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": env})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": 8125})
+    with benchmark_cluster(http_port=8125):
         serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-bench", route_prefix="/bench")
         client = RolloutClient("flowgrpo-bench")
         client.rollout(prompts, args.group_size, seed=0)  # warm-up
@@ -125,11 +115,6 @@ def main() -> None:
             started = time.perf_counter()
             client.rollout(prompts, args.group_size, seed=0)
             served_s.append(time.perf_counter() - started)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        sys.stdout.flush()
-        os.dup2(stdout_fd, 1)
 
     throughput_ratio = [a / b for a, b in zip(local_s, served_s)]  # served images/s over in-process images/s
     overhead_ms = [(b - a) * 1000 for a, b in zip(local_s, served_s)]

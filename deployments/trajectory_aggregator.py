@@ -11,6 +11,7 @@ from serve_app.config import RolloutConfig
 from serve_app.options import check_running_options
 from serve_app.rewards import CompositeReward
 from serve_app.schemas import Trajectory, TrajectoryBatch
+from serve_app.weights import open_weight_store
 
 
 class TrajectoryAggregator:
@@ -20,6 +21,7 @@ class TrajectoryAggregator:
             CompositeReward(config.reward.components),
             config.aggregator.advantage,
             reward_threads=config.aggregator.reward_threads,
+            store=open_weight_store(config),
         )
         self.reward_mean = metrics.Gauge("flowgrpo_reward_mean", description="Mean total reward of the last request.")
         self.tied_groups = metrics.Gauge(

@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from serve_app.config import AdvantageConfig
-from serve_app.errors import GroupIncompleteError
+from serve_app.errors import GroupIncompleteError, WeightMismatchError
 from serve_app.flowgrpo.advantages import group_advantages, tied_group_fraction
 from serve_app.rewards import TOTAL_KEY, CompositeReward
 from serve_app.schemas import Trajectory, TrajectoryBatch
+from serve_app.weights import WeightStore
 
 
 def merge_chunks(trajectories: Sequence[Trajectory], num_prompts: int, group_size: int) -> Trajectory:
@@ -50,10 +51,26 @@ def _check_whole_groups(prompt_index: torch.Tensor, sample_index: torch.Tensor, 
         )
 
 
+def check_weights_hash(trajectory: Trajectory, store: WeightStore) -> None:
+    """Raise WeightMismatchError unless the trajectory's stamp is the content hash published for its version."""
+    published = store.published_hash(trajectory.policy_version)
+    if trajectory.weights_hash != published:
+        raise WeightMismatchError(
+            f"policy version {trajectory.policy_version} was sampled with weights {trajectory.weights_hash[:12]}, "
+            f"but was published as {published[:12]}: the replicas hold other weights under that version "
+            "(another weight store, or a version changed after publishing)"
+        )
+
+
 class TrajectoryAssembler:
-    def __init__(self, reward: CompositeReward, advantage: AdvantageConfig, *, reward_threads: int = 2) -> None:
+    """Whole groups, rewards and advantages. With `store`, every request's weights stamp is checked
+    against the content hash published for its version."""
+
+    def __init__(self, reward: CompositeReward, advantage: AdvantageConfig, *, reward_threads: int = 2,
+                 store: WeightStore | None = None) -> None:
         self.reward = reward
         self.advantage = advantage
+        self.store = store
         self._pool = ThreadPoolExecutor(max_workers=reward_threads, thread_name_prefix="reward")
 
     def score(self, trajectory: Trajectory, prompts: Sequence[str], group_size: int) -> dict[str, torch.Tensor]:
@@ -72,6 +89,8 @@ class TrajectoryAssembler:
     ) -> TrajectoryBatch:
         started = time.perf_counter()
         trajectory = merge_chunks(trajectories, len(prompts), group_size)
+        if self.store is not None:
+            check_weights_hash(trajectory, self.store)
         rewards = self.score(trajectory, prompts, group_size)
         total = rewards[TOTAL_KEY]
         advantages = group_advantages(

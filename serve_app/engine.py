@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.errors import NumericalError, PolicyVersionError
+from serve_app.errors import NumericalError
 from serve_app.flowgrpo.sampler import encode_conditioning, rollout
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import PromptEmbeds, RolloutChunk, Trajectory
-from serve_app.weights import WeightStore, WeightVersion
+from serve_app.replica_weights import PolicyVersions
+from serve_app.weights import WeightStore
 
 
 @dataclass
@@ -22,53 +23,6 @@ class BatchStats:
     images: int
     seconds_per_step: float
     policy_version: int
-
-
-class PolicyVersions:
-    """Moves a policy's transformer between weight versions (LoRA adapters or full state dicts)."""
-
-    ADAPTER = "flowgrpo"
-
-    def __init__(self, policy: DiffusionPolicy, store: WeightStore | None) -> None:
-        self.policy = policy
-        self.store = store
-        self.current = 0
-        self._base_state: dict[str, torch.Tensor] | None = None
-
-    def ensure(self, version: int) -> None:
-        if version == self.current:
-            return
-        transformer = self.policy.transformer
-        if version == 0:
-            self._to_base(transformer)
-        else:
-            if self.store is None:
-                raise PolicyVersionError(f"policy version {version} asked for, but this replica has no weight store")
-            self._apply(transformer, self.store.load(version))
-        self.current = version
-
-    def _to_base(self, transformer: torch.nn.Module) -> None:
-        if getattr(transformer, "peft_config", None):
-            transformer.disable_adapters()
-        if self._base_state is not None:
-            transformer.load_state_dict(self._base_state)
-
-    def _apply(self, transformer: torch.nn.Module, weights: WeightVersion) -> None:
-        if weights.kind == "full":
-            if self._base_state is None:  # keep the base to return to version 0
-                self._base_state = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
-            transformer.load_state_dict(weights.tensors)
-            return
-        from peft import set_peft_model_state_dict
-
-        assert weights.lora is not None
-        if self.ADAPTER not in (getattr(transformer, "peft_config", None) or {}):
-            transformer.add_adapter(weights.lora.peft_config(), adapter_name=self.ADAPTER)
-        result = set_peft_model_state_dict(transformer, weights.tensors, adapter_name=self.ADAPTER)
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"LoRA tensors of version {weights.version} do not fit: {result.unexpected_keys[:3]}")
-        transformer.set_adapter(self.ADAPTER)
-        transformer.enable_adapters()
 
 
 class RolloutEngine:
@@ -168,6 +122,8 @@ class RolloutEngine:
             prompt_index=torch.cat([c.prompt_index for c in chunks]),
             sample_index=torch.cat([c.sample_index for c in chunks]),
             policy_version=version,
+            weights_hash=self.versions.current_hash,
+            group_seeds=None if chunks[0].group_seeds is None else torch.cat([c.group_seeds for c in chunks]),
         )
         _check_finite(fused)
         seconds = time.perf_counter() - started

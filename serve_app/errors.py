@@ -60,6 +60,10 @@ class GroupIncompleteError(RolloutError):
     """The aggregator found a group with missing or duplicated samples."""
 
 
+class WeightMismatchError(RolloutError):
+    """The weights a replica holds are not the ones published under the version it was asked for."""
+
+
 class NumericalError(RolloutError):
     """A replica computed non-finite values from valid inputs; it returns this instead of NaN tensors."""
 

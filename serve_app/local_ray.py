@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import sys
+from collections.abc import Iterator
 
 
 def loopback_ray_env() -> dict[str, str]:
@@ -23,3 +26,27 @@ def loopback_ray_env() -> dict[str, str]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     names = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")
     return {name: os.environ[name] for name in names}
+
+
+@contextlib.contextmanager
+def benchmark_cluster(*, http_port: int) -> Iterator[None]:
+    """A one-node Ray cluster with Serve on loopback for a script whose stdout must stay one JSON
+    document: fd 1 goes to stderr while Ray runs (its workers and shutdown write there)."""
+    import ray
+    from ray import serve
+
+    loopback_ray_env()
+    env = {k: os.environ[k] for k in ("FLOWGRPO_HOME", "HF_HUB_OFFLINE") if k in os.environ}
+    sys.stdout.flush()
+    stdout_fd = os.dup(1)
+    os.dup2(2, 1)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": env})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        sys.stdout.flush()
+        os.dup2(stdout_fd, 1)

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from serve_app.config import IngressConfig
 from serve_app.errors import InvalidRequestError, PolicyVersionError, RequestTooLargeError
-from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout
+from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout, group_seeds_for
 from serve_app.policies.base import ImageGeometry, TextProcessor
 from serve_app.schemas import RolloutChunk, RolloutRequest, SamplingParams
 from serve_app.weights import WeightStore
@@ -132,6 +132,7 @@ class RolloutPlanner:
         )
         # 3. Samples in AABB order (a group is contiguous), cut into chunks of chunk_size.
         prompt_index, sample_index, seeds = group_layout(request_seed, len(request.prompts), request.group_size)
+        group_seeds = group_seeds_for(request_seed, prompt_index) if sampling.group_noise == "shared" else None
         chunks = []
         for start in range(0, len(seeds), self.limits.chunk_size):
             part = slice(start, start + self.limits.chunk_size)
@@ -147,6 +148,7 @@ class RolloutPlanner:
                     seeds=seeds[part].clone(),
                     window_start=window_start,
                     policy_version=policy_version,
+                    group_seeds=None if group_seeds is None else group_seeds[part].clone(),
                 )
             )
         return RolloutPlan(uuid.uuid4().hex[:12], list(request.prompts), request.group_size, policy_version, chunks)

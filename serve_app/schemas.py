@@ -63,6 +63,11 @@ class SamplingParams(BaseModel):
         (0, 5), description="Half-open range [lo, hi) the window's first step is drawn from (Flow-GRPO-Fast)."
     )
     seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
+    group_noise: Literal["independent", "shared"] = Field(
+        "independent",
+        description="shared: a prompt's samples start from one initial noise, so the deterministic steps before "
+        "the SDE window run once per prompt and the group branches at the window (each sample's own step noise).",
+    )
 
     @model_validator(mode="after")
     def _check_window(self) -> SamplingParams:
@@ -91,13 +96,15 @@ class SamplingParams(BaseModel):
         return SamplingParams.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
 
     def for_validation(self, *, num_steps: int | None = None, seed: int | None = None) -> SamplingParams:
-        """Evaluation settings: the ODE (noise 0), usually with more steps and a fixed seed."""
+        """Evaluation settings: the ODE (noise 0), usually with more steps and a fixed seed; every sample
+        from its own noise (with shared group noise an ODE group would be one image, repeated)."""
         return self.model_copy(
             update={
                 "noise_level": 0.0,
                 "sde_type": "ode",
                 "sde_window_size": None,
                 "sde_window_range": (0, 1),
+                "group_noise": "independent",
                 "num_steps": num_steps or self.num_steps,
                 "seed": self.seed if seed is None else seed,
             }
@@ -189,7 +196,8 @@ class RolloutChunk:
 
     prompts: the distinct prompts this chunk needs; `prompt_slot` indexes into it.
     prompt_index / sample_index: the sample's place in the request (group = prompt_index).
-    seeds: [n] per-sample seeds; a sample's noise depends on its seed only.
+    seeds: [n] per-sample seeds; a sample's noise depends on its seed only ...
+    group_seeds: [n] ... and, with sampling.group_noise = "shared", on its group's seed (None otherwise).
     policy_version: the concrete weights version, resolved once per request by the planner.
     """
 
@@ -202,6 +210,7 @@ class RolloutChunk:
     seeds: torch.Tensor
     window_start: int | None
     policy_version: int
+    group_seeds: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
@@ -224,6 +233,8 @@ class Trajectory:
     sample_index:     [B] long, the sample's index within its group.
     policy_version:   the weights version that produced every sample here (no default: a forgotten
                       stamp must fail, not read as version 0).
+    weights_hash:     the content hash of the weights the replica checked it held for that version
+                      (serve_app.replica_weights; "base" for version 0).
 
     Built by the sampler; re-cut with :meth:`take` (rows) and :meth:`cat` (parts), never field by field.
     """
@@ -241,6 +252,7 @@ class Trajectory:
     prompt_index: torch.Tensor
     sample_index: torch.Tensor
     policy_version: int
+    weights_hash: str
 
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
@@ -280,7 +292,7 @@ class Trajectory:
         if not parts:
             raise ValueError("Trajectory.cat needs at least one part")
         first = parts[0]
-        for name in ("policy_version", "sampling"):
+        for name in ("policy_version", "weights_hash", "sampling"):
             values = {repr(getattr(p, name)) for p in parts}
             if len(values) > 1:
                 raise ValueError(f"cannot concatenate trajectories with different {name}: {sorted(values)}")

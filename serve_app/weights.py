@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -50,7 +50,24 @@ class WeightVersion:
     version: int
     kind: WeightKind
     tensors: dict[str, torch.Tensor]
-    lora: LoraSpec | None = None
+    lora: LoraSpec | None
+    content_hash: str
+
+
+# What version 0 (the base checkpoint, no published tensors) is stamped with.
+BASE_HASH = "base"
+
+
+def content_hash(tensors: dict[str, torch.Tensor], lora: LoraSpec | None) -> str:
+    """sha256 of a version's content: each tensor's name, dtype, shape and bytes (in name order), and
+    the LoRA spec. It names the weights themselves, whatever file or module layout holds them."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps(None if lora is None else asdict(lora), sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 class WeightStore:
@@ -84,29 +101,42 @@ class WeightStore:
         if target.exists():
             raise PolicyVersionError(f"version {version} is already published in {self.root}")
         staging = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.root))
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, staging / "weights.safetensors")
-        meta = {"version": version, "kind": kind, "model": self.model, "lora": None if lora is None else lora.__dict__}
+        on_cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        save_file(on_cpu, staging / "weights.safetensors")
+        meta = {
+            "version": version, "kind": kind, "model": self.model, "lora": None if lora is None else asdict(lora),
+            "content_hash": content_hash(on_cpu, lora),
+        }
         (staging / "meta.json").write_text(json.dumps(meta))
         os.rename(staging, target)
         return target
 
     def load(self, version: int) -> WeightVersion:
+        meta = self._meta(version)
+        lora = LoraSpec(**meta["lora"]) if meta["lora"] else None
+        tensors = load_file(self._dir(version) / "weights.safetensors")
+        return WeightVersion(version, meta["kind"], tensors, lora, meta["content_hash"])
+
+    def published_hash(self, version: int) -> str:
+        """The content hash recorded when `version` was published (BASE_HASH for version 0)."""
+        return BASE_HASH if version == 0 else self._meta(version)["content_hash"]
+
+    def _meta(self, version: int) -> dict:
         directory = self._dir(version)
         if version < 1 or not (directory / "meta.json").is_file():
             kept = self.versions()
             raise PolicyVersionError(
-                f"policy version {version} does not exist in {self.root}; available: 0 (base)"
+                f"policy version {version} does not exist in the weight store; available: 0 (base)"
                 + (f", {kept[0]}..{kept[-1]}" if kept else "")
             )
         meta = json.loads((directory / "meta.json").read_text())
         published_for = meta.get("model")
         if self.model is not None and published_for is not None and published_for != self.model:
             raise PolicyVersionError(
-                f"policy version {version} in {self.root} was published for model {published_for!r}, "
-                f"not {self.model!r}; point replica.weights_dir at that model's versions"
+                f"policy version {version} was published for model {published_for!r}, not {self.model!r}; "
+                "point replica.weights_dir at that model's versions"
             )
-        lora = LoraSpec(**meta["lora"]) if meta["lora"] else None
-        return WeightVersion(version, meta["kind"], load_file(directory / "weights.safetensors"), lora)
+        return meta
 
 
 def model_identity(config: "RolloutConfig") -> str:

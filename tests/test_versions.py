@@ -115,3 +115,45 @@ def test_a_version_published_for_another_model_is_refused(tmp_path):
     default_small = load_config("diffusion_rollout", ["model=small_qwen_image"])
     assert weights_dir(default_tiny) != weights_dir(default_small)
     assert model_identity(load_config("diffusion_rollout", ["model.path=/models/Qwen-Image"])).startswith("Qwen-Image-")
+
+
+def test_content_hash_names_the_weights_not_their_layout():
+    from serve_app.weights import content_hash
+
+    a = {"x.weight": torch.arange(6.0).view(2, 3), "y.bias": torch.ones(2, dtype=torch.bfloat16)}
+    assert content_hash(a, LORA) == content_hash(dict(reversed(list(a.items()))), LORA)  # order of names
+    assert content_hash(a, LORA) == content_hash({k: v.clone() for k, v in a.items()}, LORA)
+    changed = {**a, "x.weight": a["x.weight"].clone().index_fill_(1, torch.tensor([2]), 9.0)}
+    assert content_hash(changed, LORA) != content_hash(a, LORA)
+    assert content_hash(a, LoraSpec(rank=4, alpha=2.0, target_modules=["proj_out"])) != content_hash(a, LORA)
+    assert content_hash({"x.weight": a["x.weight"].double()}, LORA) != content_hash({"x.weight": a["x.weight"]}, LORA)
+
+
+def test_replicas_stamp_the_published_hash_of_what_they_hold(setup):
+    from serve_app.weights import BASE_HASH
+
+    policy, store, engine, planner = setup
+    assert run(engine, planner, 0).weights_hash == BASE_HASH
+    store.publish(1, lora_tensors(policy.transformer, 1), kind="lora", lora=LORA)
+    trajectory = run(engine, planner, 1)
+    assert trajectory.weights_hash == store.published_hash(1) == store.load(1).content_hash
+    assert run(engine, planner, 0).weights_hash == BASE_HASH  # back to the base, stamped as such
+
+
+def test_the_aggregator_refuses_a_stamp_the_store_did_not_publish(setup):
+    import dataclasses
+
+    from serve_app.assembler import TrajectoryAssembler
+    from serve_app.config import AdvantageConfig
+    from serve_app.errors import WeightMismatchError
+    from serve_app.rewards import CompositeReward, RewardSpec
+
+    policy, store, engine, planner = setup
+    store.publish(1, lora_tensors(policy.transformer, 1), kind="lora", lora=LORA)
+    plan = planner.plan(RolloutRequest(prompts=["a cat"], group_size=2, seed=3, policy_version=1))
+    chunks, _ = engine.generate(plan.chunks)
+    assembler = TrajectoryAssembler(CompositeReward([RewardSpec(name="brightness")]), AdvantageConfig(), store=store)
+    assert assembler.assemble(chunks, plan.prompts, 2, request_id="ok").policy_version == 1
+    forged = [dataclasses.replace(c, weights_hash="0" * 64) for c in chunks]
+    with pytest.raises(WeightMismatchError, match="policy version 1 was sampled with weights 000000000000"):
+        assembler.assemble(forged, plan.prompts, 2, request_id="forged")

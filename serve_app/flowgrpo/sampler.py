@@ -13,9 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.flowgrpo.sde import SDEStepResult, draw_noise, sde_step
-from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout, sample_generators
+from serve_app.flowgrpo.seeding import (
+    draw_window_start,
+    fresh_request_seed,
+    group_layout,
+    group_seeds_for,
+    sample_generators,
+)
 from serve_app.policies.base import DiffusionPolicy, images_to_uint8
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams, Trajectory
+from serve_app.weights import BASE_HASH
 
 
 @dataclass(frozen=True)
@@ -90,12 +97,14 @@ def denoise(
     steps: list[int],
     params: SamplingParams,
     generators: Sequence[torch.Generator],
+    *,
+    start: int = 0,
 ) -> DenoiseResult:
-    """The denoising loop: ODE steps outside the window, SDE steps (with log-probs) inside it."""
+    """The denoising loop from step `start`: ODE steps outside the window, SDE steps (with log-probs) inside it."""
     stochastic = set(steps)
     recorded: list[torch.Tensor] = []
     log_probs: list[torch.Tensor] = []
-    for i in range(params.num_steps):
+    for i in range(start, params.num_steps):
         if i in stochastic:
             recorded.append(latents)
         result = transition(
@@ -119,6 +128,30 @@ def initial_latents(policy: DiffusionPolicy, params: SamplingParams, generators:
     return draw_noise(shape, generators, device=policy.device).to(policy.dtype)
 
 
+@torch.no_grad()
+def shared_prefix(
+    policy: DiffusionPolicy,
+    conditioning: Conditioning,
+    group_seeds: torch.Tensor,
+    sigmas: torch.Tensor,
+    params: SamplingParams,
+    *,
+    until: int,
+) -> torch.Tensor:
+    """The latents entering step `until` of every sample when each group shares its initial noise: the
+    deterministic steps before it run once per group (one row per distinct group seed), then each
+    group's latent is repeated for its samples. Returns [B, ...]."""
+    groups, member = torch.unique(group_seeds, return_inverse=True)
+    leader = torch.tensor([int((member == g).nonzero()[0]) for g in range(len(groups))])
+    group_conditioning = Conditioning(conditioning.prompts, conditioning.embed_row[leader.to(conditioning.embed_row.device)],
+                                      conditioning.negative)
+    latents = initial_latents(policy, params, sample_generators(groups))
+    for i in range(until):
+        latents = transition(policy, latents, sigmas[i], sigmas[i + 1], group_conditioning, params,
+                             stochastic=False).prev_sample
+    return latents[member.to(latents.device)]
+
+
 def rollout(
     policy: DiffusionPolicy,
     conditioning: Conditioning,
@@ -129,10 +162,15 @@ def rollout(
     prompt_index: torch.Tensor,
     sample_index: torch.Tensor,
     policy_version: int,
+    weights_hash: str,
+    group_seeds: torch.Tensor | None = None,
 ) -> Trajectory:
     """Sample B trajectories (B = len(seeds)) and record the SDE window's latents and log-probs.
 
-    prompt_index / sample_index [B] say where each sample belongs in its request (kept, not used).
+    prompt_index / sample_index [B] say where each sample belongs in its request (kept, not used);
+    policy_version / weights_hash are the stamp of the weights the policy holds. With group_seeds [B]
+    (sampling.group_noise = "shared") samples of one group start from the group's noise and share the
+    steps before the window; otherwise each starts from its own seed's noise.
     """
     # 1. Check inputs
     policy.check_size(params.height, params.width)
@@ -144,9 +182,13 @@ def rollout(
     # 2. Schedule and per-sample noise streams
     sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width).to(policy.device)
     generators = sample_generators(seeds)
-    latents = initial_latents(policy, params, generators)
+    if group_seeds is None:
+        start, latents = 0, initial_latents(policy, params, generators)
+    else:
+        start = steps[0] if steps else params.num_steps
+        latents = shared_prefix(policy, conditioning, group_seeds, sigmas, params, until=start)
     # 3. Denoising loop
-    result = denoise(policy, conditioning, latents, sigmas, steps, params, generators)
+    result = denoise(policy, conditioning, latents, sigmas, steps, params, generators, start=start)
     # 4. Decode
     images = images_to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width))
     return Trajectory(
@@ -163,6 +205,7 @@ def rollout(
         prompt_index=prompt_index.clone(),
         sample_index=sample_index.clone(),
         policy_version=policy_version,
+        weights_hash=weights_hash,
     )
 
 
@@ -174,10 +217,12 @@ def sample_group(
     *,
     negative: PromptTokens | None = None,
     policy_version: int,
+    weights_hash: str = BASE_HASH,
 ) -> Trajectory:
     """`group_size` samples of each prompt in one batch; seeds derive from `params.seed`.
 
-    The in-process equivalent of one rollout request (the service splits the same work into chunks).
+    The in-process equivalent of one rollout request (the service splits the same work into chunks);
+    the caller stamps the weights it knows the policy holds (the base checkpoint unless it says otherwise).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1; got {group_size}")
@@ -185,11 +230,13 @@ def sample_group(
         raise ValueError("prompts must not be empty")
     request_seed = params.seed if params.seed is not None else fresh_request_seed()
     prompt_index, sample_index, seeds = group_layout(request_seed, len(prompts), group_size)
+    group_seeds = group_seeds_for(request_seed, prompt_index) if params.group_noise == "shared" else None
     window_start = None if params.sde_window_size is None else draw_window_start(request_seed, params.sde_window_range)
     conditioning = encode_conditioning(policy, prompts, prompt_index, negative, params)
     return rollout(
         policy, conditioning, seeds, params, window_start=window_start,
         prompt_index=prompt_index, sample_index=sample_index, policy_version=policy_version,
+        weights_hash=weights_hash, group_seeds=group_seeds,
     )
 
 

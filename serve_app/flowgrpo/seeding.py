@@ -15,6 +15,20 @@ def derive_sample_seed(request_seed: int, prompt_index: int, sample_index: int) 
     return int((int(state[0]) << 31) ^ int(state[1])) & (2**63 - 1)
 
 
+# The sample index that names a group's shared initial noise: no real sample has it.
+GROUP_NOISE_INDEX = 2**62
+
+
+def derive_group_seed(request_seed: int, prompt_index: int) -> int:
+    """The seed of a group's shared initial noise (sampling.group_noise = "shared")."""
+    return derive_sample_seed(request_seed, prompt_index, GROUP_NOISE_INDEX)
+
+
+def group_seeds_for(request_seed: int, prompt_index: torch.Tensor) -> torch.Tensor:
+    """[B] the group seed of each sample's prompt."""
+    return torch.tensor([derive_group_seed(request_seed, int(p)) for p in prompt_index], dtype=torch.long)
+
+
 def sample_generators(seeds: torch.Tensor) -> list[torch.Generator]:
     """One CPU generator per sample."""
     return [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds.tolist()]

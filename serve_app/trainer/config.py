@@ -69,6 +69,11 @@ class TrainerSection(_Section):
         None, ge=1, description="Micro-batches per optimizer step; None = all of a rollout (one step per epoch)."
     )
     inner_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    max_staleness: int = Field(
+        0, ge=0,
+        description="Rollouts kept in flight while the trainer updates; a batch is used at most this many updates "
+        "after the version it was sampled with (older ones are dropped and counted). 0 = strict on-policy.",
+    )
     onpolicy_tolerance: float = Field(
         1e-4, gt=0, description="Largest |ratio - 1| accepted before the first optimizer step of a rollout."
     )

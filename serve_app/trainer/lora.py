@@ -1,7 +1,7 @@
 """What the trainer trains: a peft LoRA adapter named like the replicas' one, or the whole transformer.
 
 The adapter is added with `transformer.add_adapter(..., adapter_name="flowgrpo")` (diffusers'
-PeftAdapterMixin) exactly as :class:`serve_app.engine.PolicyVersions` does on a replica, so the keys
+PeftAdapterMixin) exactly as :class:`serve_app.replica_weights.PolicyVersions` does on a replica, so the keys
 of `get_peft_model_state_dict` load there unchanged. peft's default init sets B = 0: a fresh
 adapter is a no-op and the trainer's weights at version 0 equal the base checkpoint's.
 """
@@ -14,12 +14,11 @@ from collections.abc import Iterator
 
 import torch
 
-from serve_app.engine import PolicyVersions
+from serve_app.replica_weights import ADAPTER
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.trainer.config import LoraSection
 from serve_app.weights import LoraSpec, WeightKind
 
-ADAPTER = PolicyVersions.ADAPTER
 
 
 class TrainableTransformer:

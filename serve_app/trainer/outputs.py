@@ -12,7 +12,7 @@ METRIC_COLUMNS = [
     "step", "policy_version", "reward_mean", "reward_std", "advantage_mean", "advantage_std",
     "ratio_mean", "ratio_min", "ratio_max", "onpolicy_ratio_dev", "clip_frac", "approx_kl", "kl", "loss",
     "grad_norm", "tied_group_fraction", "sample_images_per_s", "train_images_per_s", "weight_sync_s",
-    "step_seconds", "eval_reward_mean",
+    "step_seconds", "staleness", "dropped_batches", "trainer_idle_s", "rollout_wait_s", "eval_reward_mean",
 ]
 
 

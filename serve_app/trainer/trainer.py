@@ -3,12 +3,15 @@ copy of the policy, and a version-pinned weight sync through the WeightStore.
 
 One training step, top to bottom:
 
-    1. rollout  - client.rollout(prompts, group_size, policy_version=v) -> TrajectoryBatch stamped v
-    2. update   - replay every window transition k with the current weights (sampler.replay_step,
-                  the code the rollout ran), r = exp(logp - logp_old), clipped loss + beta * KL,
-                  AdamW with gradient clipping and accumulation; the first replay must give r == 1
-    3. publish  - WeightStore.publish(v', adapter tensors) and pin the next rollout to v'
-    4. log      - one metrics.csv row; grids, evaluations and checkpoints every few steps
+    1. rollout  - the next batch from the RolloutPipeline: sampled at version v' <= v, stamped with
+                  v' and the content hash of the weights the replicas checked they held
+    2. prefill  - with trainer.max_staleness k > 0, k more rollouts are sent (pinned to v) to run
+                  while this update does
+    3. update   - replay every window transition with the current weights (sampler.replay_step, the
+                  code the rollout ran), r = exp(logp - logp_old) with the stored behaviour log-probs,
+                  clipped loss + beta * KL, AdamW; at staleness 0 the first replay must give r == 1
+    4. publish  - WeightStore.publish(v + 1, adapter tensors); new rollouts are pinned to it
+    5. log      - one metrics.csv row; grids, evaluations and checkpoints every few steps
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from serve_app.assembler import check_weights_hash
 from serve_app.errors import PolicyVersionError
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.flowgrpo.sde import kl_between_means
@@ -36,6 +40,7 @@ from serve_app.trainer.evaluation import RunEvaluator
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
+from serve_app.trainer.pipeline import Delivered, RolloutPipeline
 from serve_app.trainer.statistics import first_and_last, welch_t
 from serve_app.weights import open_weight_store
 
@@ -111,6 +116,12 @@ class FlowGRPOTrainer:
         self.ema = EMAModel(self.model.parameters(), decay=self.cfg.ema_decay) if self.cfg.ema_decay else None
         if resume is not None:
             self._resume(Path(resume))
+        # The versions updates published, in order (EMA versions are evaluated, never trained from):
+        # a batch's staleness is the number of updates since its version.
+        self.policy_versions = [self.version]
+        self.dropped_batches = 0
+        self.pipeline = RolloutPipeline(self._request_rollout, max_staleness=self.cfg.max_staleness,
+                                        first_index=self.step)
         self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None)
         self.evaluator = RunEvaluator(config, client, self.out, append=resume is not None) if self.cfg.eval_every else None
         if resume is not None:
@@ -144,29 +155,27 @@ class FlowGRPOTrainer:
     def train_step(self) -> dict[str, float]:
         step, cfg = self.step, self.cfg
         started = time.perf_counter()
-        # 1. Rollout at the trainer's current version.
-        batch = self.client.rollout(
-            self._prompts(step), cfg.group_size, sampling=self.sampling, policy_version=self.version,
-            seed=self._request_seed(step), timeout_s=cfg.rollout_timeout_s,
-        )
-        sample_s = time.perf_counter() - started
-        if batch.policy_version != self.version:
-            raise PolicyVersionError(
-                f"step {step}: asked for policy version {self.version}, the rollout is stamped {batch.policy_version}"
-            )
-        trajectory = batch.trajectory
+        # 1. The next rollout, sampled at most max_staleness updates ago.
+        delivered, staleness = self._next_rollout()
+        batch, trajectory = delivered.batch, delivered.batch.trajectory
         advantages = batch.advantages.float()  # clipped by the app (aggregator.advantage.clip), once
-        # 2. Update.
+        # 2. The next rollouts run while this update does (none at staleness 0).
+        self.pipeline.prefill(self.version)
+        # 3. Update; the stored log-probs are the behaviour policy's, so at staleness > 0 the first ratio is not 1.
         train_started = time.perf_counter()
-        stats = self._update(trajectory, advantages)
+        stats = self._update(trajectory, advantages, check_onpolicy=staleness == 0)
         train_s = time.perf_counter() - train_started
-        # 3. Publish the new weights and pin the next rollout to them.
+        # 4. Publish the new weights; rollouts sent from now on are pinned to them.
         sync_started = time.perf_counter()
         self.version = self.publish()
+        self.policy_versions.append(self.version)
         weight_sync_s = time.perf_counter() - sync_started
-        # 4. Log.
+        # 5. Log.
         self.step += 1
-        row = self._row(step, batch, advantages, stats, sample_s, train_s, weight_sync_s, time.perf_counter() - started)
+        row = self._row(step, batch, advantages, stats, delivered.sampling_seconds, train_s, weight_sync_s,
+                        time.perf_counter() - started)
+        row.update(staleness=staleness, dropped_batches=self.dropped_batches,
+                   trainer_idle_s=delivered.trainer_idle_seconds, rollout_wait_s=delivered.rollout_wait_seconds)
         if cfg.image_every and step % cfg.image_every == 0:
             save_image_grid(trajectory.images, self.out / f"train_step{step:05d}.png", columns=cfg.group_size)
         self.step_seconds.append(row["step_seconds"])
@@ -176,9 +185,36 @@ class FlowGRPOTrainer:
         self.metrics.append(row)
         return row
 
-    def _update(self, trajectory: Trajectory, advantages: torch.Tensor) -> UpdateStats:
-        """inner_epochs passes over the batch in micro-batches, every window step k of each row."""
+    def _next_rollout(self) -> tuple[Delivered, int]:
+        """The oldest rollout in flight whose staleness is within max_staleness (older ones are dropped
+        and counted), checked for the version it was pinned to and the weights it was sampled with."""
+        while True:
+            delivered = self.pipeline.take(self.version)
+            batch = delivered.batch
+            if batch.policy_version != delivered.version:
+                raise PolicyVersionError(
+                    f"rollout {delivered.index}: asked for policy version {delivered.version}, "
+                    f"the rollout is stamped {batch.policy_version}"
+                )
+            check_weights_hash(batch.trajectory, self.store)
+            staleness = len(self.policy_versions) - 1 - self.policy_versions.index(batch.policy_version)
+            if staleness <= self.cfg.max_staleness:
+                return delivered, staleness
+            self.dropped_batches += 1
+
+    def _request_rollout(self, index: int, version: int) -> TrajectoryBatch:
+        """Rollout `index` (its prompts and seed) pinned to `version`; runs on a pipeline thread."""
+        return self.client.rollout(
+            self._prompts(index), self.cfg.group_size, sampling=self.sampling, policy_version=version,
+            seed=self._request_seed(index), timeout_s=self.cfg.rollout_timeout_s,
+        )
+
+    def _update(self, trajectory: Trajectory, advantages: torch.Tensor, *, check_onpolicy: bool) -> UpdateStats:
+        """inner_epochs passes over the batch in micro-batches, every window step k of each row; with
+        `check_onpolicy` the first replay must give ratio 1 (the batch was sampled with these weights)."""
         cfg, stats = self.cfg, UpdateStats()
+        if not check_onpolicy:
+            stats.onpolicy_ratio_dev = math.nan  # not measured: the batch was sampled with older weights
         batch, window = len(trajectory), trajectory.log_probs.shape[1]
         if window == 0:
             raise ValueError("the rollout has no stochastic steps (sde_type 'ode' or noise_level 0): nothing to train")
@@ -193,7 +229,8 @@ class FlowGRPOTrainer:
                 group_start = (i // accum) * accum
                 in_group = min(group_start + accum, len(micro_batches)) - group_start
                 for k in range(window):
-                    loss = self._micro_loss(trajectory, advantages, k, rows, stats, on_policy=optimizer_steps == 0)
+                    loss = self._micro_loss(trajectory, advantages, k, rows, stats,
+                                            on_policy=check_onpolicy and optimizer_steps == 0)
                     (loss / (window * in_group)).backward()
                 if i + 1 == group_start + in_group:
                     self._optimizer_step(stats)
@@ -310,6 +347,7 @@ class FlowGRPOTrainer:
     def finish(self) -> None:
         from safetensors.torch import save_file
 
+        self.pipeline.close()
         save_file(self.model.publishable_state(), self.out / f"{self.model.kind}_final.safetensors")
         if self.metrics.rows:
             plot_reward_curve(self.metrics.rows, self.out / "reward_curve.png")

@@ -65,3 +65,14 @@ def test_bench_learning(flowgrpo_home):
     (curve,) = report["variants"]["default"]["curves"]
     assert [row["step"] for row in curve] == [0, 1]
     assert all(0.0 <= row["strict_accuracy"] <= 1.0 for row in curve)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_bench_pipeline(flowgrpo_home):
+    report = run_script("bench_pipeline.py", "--steps", "1", "--repeats", "1", "--staleness", "0,1",
+                        "--noise-prompts", "1", "--noise-group-size", "2")
+    assert_finite(report)
+    assert report["training"]["k1"]["speedup_over_k0"]["median"] > 0
+    assert 0 < report["training"]["k0_step_shares"]["rollout"] < 1
+    assert report["group_noise"]["shared_over_independent"]["median"] > 0

@@ -12,6 +12,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -184,11 +185,9 @@ def _listening(pids: set[int]) -> list[tuple[str, int, int]]:
             if c.status == psutil.CONN_LISTEN and c.pid in pids]
 
 
-def _grpc_status(port: int, token: str | None) -> "grpc.StatusCode":
+def _grpc_status(port: int, token: str | None) -> grpc.StatusCode:
     """The status of an empty call over loopback to the method Serve replicas serve each other
     (the one that unpickles its request), with or without the cluster's token."""
-    import grpc
-
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.unary_unary("/ray.serve.ASGIService/HandleRequest")
         metadata = [("authorization", f"Bearer {token}")] if token else []
@@ -200,7 +199,6 @@ def _grpc_status(port: int, token: str | None) -> "grpc.StatusCode":
 
 
 def test_nothing_beyond_loopback_serves_a_client_without_the_token(cluster):
-    import grpc
     import psutil
 
     # Every process of this cluster: ray.init started them under this test process.

@@ -93,13 +93,13 @@ def test_same_seed_same_trajectory_alone_or_in_a_larger_batch(policy, text):
     conditioning = encode_conditioning(policy, prompts, torch.tensor([0, 1, 1, 0]), None, params)
     seeds = torch.tensor([11, 22, 33, 44])
     index = torch.arange(4)
-    big = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index, policy_version=0)
-    again = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index, policy_version=0)
+    big = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index, policy_version=0, weights_hash="base")
+    again = rollout(policy, conditioning, seeds, params, window_start=1, prompt_index=index, sample_index=index, policy_version=0, weights_hash="base")
     assert torch.equal(big.latents, again.latents) and torch.equal(big.log_probs, again.log_probs)
 
     alone_cond = encode_conditioning(policy, prompts[:1], torch.tensor([0]), None, params)
     one = torch.tensor([0])
-    alone = rollout(policy, alone_cond, torch.tensor([44]), params, window_start=1, prompt_index=one, sample_index=one, policy_version=0)
+    alone = rollout(policy, alone_cond, torch.tensor([44]), params, window_start=1, prompt_index=one, sample_index=one, policy_version=0, weights_hash="base")
     torch.testing.assert_close(alone.latents[0], big.latents[3], atol=1e-6, rtol=0)
     torch.testing.assert_close(alone.log_probs[0], big.log_probs[3], atol=1e-6, rtol=0)
     assert torch.equal(alone.images[0], big.images[3])
@@ -147,7 +147,7 @@ def test_window_start_outside_range(policy, text):
     conditioning = encode_conditioning(policy, text.tokenize(["a cat"]), torch.tensor([0]), None, PARAMS)
     one = torch.tensor([0])
     with pytest.raises(ValueError, match="window_start"):
-        rollout(policy, conditioning, torch.tensor([1]), PARAMS, window_start=4, prompt_index=one, sample_index=one, policy_version=0)
+        rollout(policy, conditioning, torch.tensor([1]), PARAMS, window_start=4, prompt_index=one, sample_index=one, policy_version=0, weights_hash="base")
 
 
 def test_conditioning_rows_pick_each_samples_prompt(policy, text):
@@ -155,3 +155,58 @@ def test_conditioning_rows_pick_each_samples_prompt(policy, text):
     assert isinstance(conditioning, Conditioning)
     assert conditioning.negative is not None  # guidance 4 > 1 encodes the default negative prompt once
     assert len(conditioning.negative) == 1
+
+
+SHARED = PARAMS.model_copy(update={"guidance_scale": 1.0, "sde_window_range": (3, 4), "group_noise": "shared"})
+
+
+def _count_rows(policy, monkeypatch) -> list[int]:
+    """Rows of every transformer forward from here on."""
+    rows: list[int] = []
+    real = policy.predict
+
+    def counting(latents, *args, **kwargs):
+        rows.append(latents.shape[0])
+        return real(latents, *args, **kwargs)
+
+    monkeypatch.setattr(policy, "predict", counting)
+    return rows
+
+
+@pytest.mark.parametrize("group_noise", ["independent", "shared"])
+def test_shared_group_noise_runs_the_steps_before_the_window_once_per_prompt(policy, text, monkeypatch, group_noise):
+    prompts, group_size = text.tokenize(["a cat", "two green triangles"]), 4
+    params = SHARED.model_copy(update={"group_noise": group_noise})
+    rows = _count_rows(policy, monkeypatch)
+    traj = sample_group(policy, prompts, group_size, params, policy_version=0)
+    p, g, n, s = len(prompts), group_size, params.num_steps, int(traj.step_indices[0])
+    assert s == 3
+    assert sum(rows) == (p * s + p * g * (n - s) if group_noise == "shared" else p * g * n)  # 30 vs 48
+    at_window = traj.latents[:, 0].view(p, g, -1)
+    if group_noise == "shared":  # a group branches at the window: one latent per prompt entering it ...
+        assert all(torch.equal(at_window[i, 0], at_window[i, j]) for i in range(p) for j in range(g))
+        assert not torch.equal(at_window[0, 0], at_window[1, 0])
+        # ... and each sample takes its own step noise from there.
+        after = traj.latents[:, 1].view(p, g, -1)
+        assert not torch.equal(after[0, 0], after[0, 1])
+    else:
+        assert not torch.equal(at_window[0, 0], at_window[0, 1])
+
+
+def test_shared_group_noise_replays_with_ratio_one_and_depends_on_seeds_only(policy, text, tiny_qwen_dir):
+    from serve_app.config import IngressConfig
+    from serve_app.engine import RolloutEngine
+    from serve_app.planner import RolloutPlanner
+    from serve_app.schemas import RolloutRequest
+
+    reference = sample_group(policy, text.tokenize(["a cat", "a dog"]), 4, SHARED, policy_version=0)
+    with torch.no_grad():
+        replayed = torch.stack([replay_step(policy, reference, k).log_prob for k in range(reference.log_probs.shape[1])], 1)
+    torch.testing.assert_close(replayed, reference.log_probs, atol=1e-6, rtol=0)
+    # The service cuts the same request into chunks of 3 (groups split across chunks, fused batches):
+    # every sample's trajectory is the in-process one.
+    planner = RolloutPlanner(text, IngressConfig(chunk_size=3), SHARED, policy.geometry, max_work=2**22)
+    plan = planner.plan(RolloutRequest(prompts=["a cat", "a dog"], group_size=4, seed=SHARED.seed))
+    chunks, _ = RolloutEngine(policy).generate(plan.chunks)
+    served = torch.cat([c.latents for c in chunks])
+    torch.testing.assert_close(served, reference.latents, atol=1e-5, rtol=0)

@@ -147,3 +147,56 @@ def test_the_ema_is_published_and_evaluated_while_training_continues_from_the_po
         torch.testing.assert_close(v2[key], v1[key], atol=0, rtol=0)
         torch.testing.assert_close(v4[key], keep * v1[key] + (1 - keep) * v3[key], atol=1e-6, rtol=1e-5)
     assert any((v3[k] - v1[k]).abs().max() > 1e-4 for k in v3)  # the blend above is not vacuous
+
+
+@pytest.mark.parametrize("max_staleness, expected", [(0, [0, 0, 0, 0]), (1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
+def test_pipelined_rollouts_stay_within_the_staleness_bound(local_app, tmp_path, max_staleness, expected):
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", f"trainer.max_staleness={max_staleness}")
+    rows = trainer.train(4)
+    assert [int(r["staleness"]) for r in rows] == expected
+    assert all(r["dropped_batches"] == 0 for r in rows)
+    # Each batch passed the weights-hash check of the version it was sampled at: a correct push passes.
+    assert [int(r["policy_version"]) for r in rows] == [step - s for step, s in enumerate(expected)]
+    for row in rows:
+        if row["staleness"] == 0:
+            assert row["onpolicy_ratio_dev"] < 1e-6
+        else:  # sampled with older weights: not checked, but the ratios are logged
+            assert math.isnan(row["onpolicy_ratio_dev"]) and math.isfinite(row["ratio_max"])
+    assert all(r["trainer_idle_s"] >= 0 and r["rollout_wait_s"] >= 0 for r in rows)
+
+
+def test_a_batch_staler_than_the_bound_is_dropped_and_counted(local_app, tmp_path):
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", "trainer.max_staleness=1")
+    trainer.pipeline.max_staleness = 2  # send one rollout more than the bound allows
+    rows = trainer.train(3)
+    assert max(r["staleness"] for r in rows) <= 1
+    assert rows[-1]["dropped_batches"] >= 1
+
+
+def test_an_adapter_bound_to_no_module_fails_the_first_step_that_uses_it(local_app, tmp_path, monkeypatch):
+    from serve_app.errors import WeightMismatchError
+    from serve_app.trainer.lora import TrainableTransformer
+    from serve_app.weights import LoraSpec
+
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2")
+    adapter_tensors = len(trainer.model.publishable_state())
+    # The published spec names target modules the replicas' transformer does not have.
+    monkeypatch.setattr(TrainableTransformer, "spec",
+                        property(lambda self: LoraSpec(rank=8, alpha=16.0, target_modules=["no_such_module"])))
+    trainer.train_step()  # version 0: no adapter involved
+    with pytest.raises(WeightMismatchError, match=rf"policy version 1: 0 of {adapter_tensors} adapter tensors bound"):
+        trainer.train_step()
+
+
+def test_an_adapter_never_delivered_is_caught_by_reading_the_modules_back(local_app, tmp_path, monkeypatch):
+    import peft
+
+    from serve_app.errors import WeightMismatchError
+
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2")
+    trainer.train_step()
+    # The replica's load of the tensors silently does nothing: its fresh adapter stays at peft's init.
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", lambda *args, **kwargs: None)
+    with pytest.raises(WeightMismatchError, match=r"policy version 1: \d+ of \d+ adapter tensors bound") as info:
+        trainer.train_step()
+    assert "replica" in str(info.value)
