@@ -11,6 +11,7 @@ from ray.serve import metrics
 
 from serve_app.config import RolloutConfig
 from serve_app.engine import RolloutEngine
+from serve_app.errors import WeightMismatchError
 from serve_app.options import check_running_options
 from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import RolloutChunk, Trajectory
@@ -56,6 +57,10 @@ class DiffusionReplica:
             "flowgrpo_replica_policy_version", description="Weights version loaded on this replica.", tag_keys=tags
         )
         self.policy_version.set(0, tags=self._tags)
+        self.weight_mismatches = metrics.Counter(
+            "flowgrpo_weight_mismatches", description="Weights found different from the published version.",
+            tag_keys=("where",),
+        )
 
     async def generate(self, chunk: RolloutChunk) -> Trajectory:
         """One chunk's trajectory. Concurrent calls are fused into one forward batch; an error raised
@@ -73,6 +78,9 @@ class DiffusionReplica:
     async def _generate_batch(self, chunks: list[RolloutChunk]) -> list[Trajectory | Exception]:
         # Sampling is CPU/GPU-bound: run it off the event loop so health checks and metrics keep flowing.
         results, stats = await asyncio.to_thread(self.engine.generate, chunks)
+        mismatches = sum(isinstance(r, WeightMismatchError) for r in results)
+        if mismatches:
+            self.weight_mismatches.inc(mismatches, tags={"where": "replica"})
         for s in stats:
             self.images_generated.inc(s.images, tags=self._tags)
             self.step_seconds.observe(s.seconds_per_step, tags=self._tags)

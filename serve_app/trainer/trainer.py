@@ -41,6 +41,7 @@ from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
 from serve_app.trainer.pipeline import Delivered, RolloutPipeline
+from serve_app.trainer.telemetry import TrainerTelemetry
 from serve_app.trainer.statistics import first_and_last, welch_t
 from serve_app.weights import open_weight_store
 
@@ -122,6 +123,7 @@ class FlowGRPOTrainer:
         self.dropped_batches = 0
         self.pipeline = RolloutPipeline(self._request_rollout, max_staleness=self.cfg.max_staleness,
                                         first_index=self.step)
+        self.telemetry = TrainerTelemetry.if_on_a_cluster()
         self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None)
         self.evaluator = RunEvaluator(config, client, self.out, append=resume is not None) if self.cfg.eval_every else None
         if resume is not None:
@@ -176,6 +178,8 @@ class FlowGRPOTrainer:
                         time.perf_counter() - started)
         row.update(staleness=staleness, dropped_batches=self.dropped_batches,
                    trainer_idle_s=delivered.trainer_idle_seconds, rollout_wait_s=delivered.rollout_wait_seconds)
+        if self.telemetry is not None:
+            self.telemetry.record(row, trainer_version=self.version)
         if cfg.image_every and step % cfg.image_every == 0:
             save_image_grid(trajectory.images, self.out / f"train_step{step:05d}.png", columns=cfg.group_size)
         self.step_seconds.append(row["step_seconds"])
