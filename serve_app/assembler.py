@@ -14,7 +14,7 @@ from serve_app.errors import GroupIncompleteError, WeightMismatchError
 from serve_app.flowgrpo.advantages import group_advantages, tied_group_fraction
 from serve_app.rewards import TOTAL_KEY, CompositeReward
 from serve_app.schemas import Trajectory, TrajectoryBatch
-from serve_app.weights import WeightStore
+from serve_app.weights import VersionStore
 
 
 def merge_chunks(trajectories: Sequence[Trajectory], num_prompts: int, group_size: int) -> Trajectory:
@@ -51,7 +51,7 @@ def _check_whole_groups(prompt_index: torch.Tensor, sample_index: torch.Tensor, 
         )
 
 
-def check_weights_hash(trajectory: Trajectory, store: WeightStore) -> None:
+def check_weights_hash(trajectory: Trajectory, store: VersionStore) -> None:
     """Raise WeightMismatchError unless the trajectory's stamp is the content hash published for its version."""
     published = store.published_hash(trajectory.policy_version)
     if trajectory.weights_hash != published:
@@ -67,7 +67,7 @@ class TrajectoryAssembler:
     against the content hash published for its version."""
 
     def __init__(self, reward: CompositeReward, advantage: AdvantageConfig, *, reward_threads: int = 2,
-                 store: WeightStore | None = None) -> None:
+                 store: VersionStore | None = None) -> None:
         self.reward = reward
         self.advantage = advantage
         self.store = store

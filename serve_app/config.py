@@ -34,6 +34,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "ValidationConfig",
+    "WeightsConfig",
     "config_to_yaml",
     "default_config_dir",
     "load_config",
@@ -189,6 +190,19 @@ class RewardConfig(_Section):
         return components
 
 
+class WeightsConfig(_Section):
+    """How published weight versions travel from the trainer to the replicas."""
+
+    transport: Literal["filesystem", "object_store"] = Field(
+        "filesystem",
+        description="filesystem: a folder every node sees (replica.weights_dir); object_store: Ray's object store "
+        "with a named registry actor, no shared filesystem needed.",
+    )
+    keep_versions: int | None = Field(
+        16, ge=1, description="Versions kept; a request pinned to an older one gets HTTP 409. None keeps all."
+    )
+
+
 class ValidationConfig(_Section):
     """Evaluation sampling (SamplingParams.for_validation)."""
 
@@ -207,6 +221,7 @@ class RolloutConfig(_Section):
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description="Sampling replicas.")
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig, description="Aggregator deployment.")
     reward: RewardConfig = Field(description="The reward.")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Weight versions' transport.")
 
 
 R = TypeVar("R", bound=RolloutConfig)

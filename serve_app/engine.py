@@ -15,7 +15,7 @@ from serve_app.flowgrpo.sampler import encode_conditioning, rollout
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import PromptEmbeds, RolloutChunk, Trajectory
 from serve_app.replica_weights import PolicyVersions
-from serve_app.weights import WeightStore
+from serve_app.weights import VersionStore
 
 
 @dataclass
@@ -28,7 +28,7 @@ class BatchStats:
 class RolloutEngine:
     """Runs chunks on one policy; thread-safe (one batch at a time)."""
 
-    def __init__(self, policy: DiffusionPolicy, store: WeightStore | None = None) -> None:
+    def __init__(self, policy: DiffusionPolicy, store: VersionStore | None = None) -> None:
         self.policy = policy
         self.versions = PolicyVersions(policy, store)
         self._lock = threading.Lock()
@@ -67,7 +67,7 @@ class RolloutEngine:
         batch is a forward in progress; Serve's health-check timeout bounds one that hangs."""
         versions = self.versions
         if versions.current != 0 and versions.store is not None and versions.current not in versions.store.versions():
-            raise RuntimeError(f"policy version {versions.current} is loaded but gone from {versions.store.root}")
+            raise RuntimeError(f"policy version {versions.current} is loaded but gone from {versions.store.where}")
         if not self._lock.acquire(blocking=False):
             return
         try:

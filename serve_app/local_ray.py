@@ -29,9 +29,10 @@ def loopback_ray_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def benchmark_cluster(*, http_port: int) -> Iterator[None]:
-    """A one-node Ray cluster with Serve on loopback for a script whose stdout must stay one JSON
-    document: fd 1 goes to stderr while Ray runs (its workers and shutdown write there)."""
+def benchmark_cluster(*, http_port: int | None) -> Iterator[None]:
+    """A one-node Ray cluster (with Serve on loopback unless `http_port` is None) for a script whose
+    stdout must stay one JSON document: fd 1 goes to stderr while Ray runs (its workers and shutdown
+    write there)."""
     import ray
     from ray import serve
 
@@ -43,10 +44,12 @@ def benchmark_cluster(*, http_port: int) -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        if http_port is not None:
+            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         yield
     finally:
-        serve.shutdown()
+        if http_port is not None:
+            serve.shutdown()
         ray.shutdown()
         sys.stdout.flush()
         os.dup2(stdout_fd, 1)

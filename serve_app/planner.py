@@ -17,7 +17,7 @@ from serve_app.errors import InvalidRequestError, PolicyVersionError, RequestToo
 from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout, group_seeds_for
 from serve_app.policies.base import ImageGeometry, TextProcessor
 from serve_app.schemas import RolloutChunk, RolloutRequest, SamplingParams
-from serve_app.weights import WeightStore
+from serve_app.weights import VersionStore
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class RolloutPlanner:
         geometry: ImageGeometry,
         *,
         max_work: int,
-        store: WeightStore | None = None,
+        store: VersionStore | None = None,
     ) -> None:
         self.text_processor = text_processor
         self.limits = limits

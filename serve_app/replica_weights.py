@@ -16,7 +16,7 @@ import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.weights import BASE_HASH, LoraSpec, WeightStore, WeightVersion, content_hash
+from serve_app.weights import BASE_HASH, LoraSpec, VersionStore, WeightVersion, content_hash
 
 ADAPTER = "flowgrpo"
 
@@ -82,7 +82,7 @@ class PolicyVersions:
 
     ADAPTER = ADAPTER
 
-    def __init__(self, policy: DiffusionPolicy, store: WeightStore | None) -> None:
+    def __init__(self, policy: DiffusionPolicy, store: VersionStore | None) -> None:
         self.policy = policy
         self.store = store
         self.current = 0

@@ -1,9 +1,15 @@
-"""Versioned policy weights on a shared filesystem: the trainer publishes, replicas fetch on demand.
+"""Versioned policy weights: the trainer publishes, replicas fetch a version by number on demand.
 
-Version 0 is the base checkpoint. Version v >= 1 lives in ``<root>/v{v:08d}/`` as
-``weights.safetensors`` (the LoRA tensors, or the whole transformer) and ``meta.json``. A version
-directory is written under a temporary name and renamed into place, so a reader sees a version
-whole or not at all; replicas started later (autoscaling, restarts) find every kept version there.
+Version 0 is the base checkpoint. Two transports keep versions v >= 1 (`weights.transport`):
+
+- ``filesystem`` (:class:`WeightStore`): ``<root>/v{v:08d}/`` holds ``weights.safetensors`` (the
+  LoRA tensors, or the whole transformer) and ``meta.json``, written under a temporary name and
+  renamed into place, so a reader sees a version whole or not at all. Needs a folder every node sees.
+- ``object_store`` (serve_app/weight_registry.py): tensors in Ray's object store, a named actor maps
+  version -> object; no shared filesystem needed.
+
+Both keep the last `weights.keep_versions` versions; a request pinned to an older one gets a
+PolicyVersionError, like one pinned to a version never published.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -70,14 +77,43 @@ def content_hash(tensors: dict[str, torch.Tensor], lora: LoraSpec | None) -> str
     return digest.hexdigest()
 
 
-class WeightStore:
-    """Versions in `root`. With `model` set, every version records the model it was trained from and
-    loading one published for another model fails, instead of silently serving foreign weights."""
+class VersionStore(Protocol):
+    """Where published versions live; the trainer, the ingress, the replicas and the aggregator use it."""
 
-    def __init__(self, root: str | Path, *, model: str | None = None) -> None:
+    where: str  # for messages: which store this is
+
+    def versions(self) -> list[int]: ...
+    def latest_version(self) -> int: ...
+    def publish(self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                lora: LoraSpec | None = None) -> None: ...
+    def load(self, version: int) -> WeightVersion: ...
+    def published_hash(self, version: int) -> str: ...
+
+
+def check_publishable(version: int, kind: WeightKind, lora: LoraSpec | None) -> None:
+    if version < 1:
+        raise ValueError(f"published versions start at 1 (0 is the base checkpoint); got {version}")
+    if kind == "lora" and lora is None:
+        raise ValueError("kind='lora' needs the LoraSpec the replicas should build")
+
+
+def missing_version(version: int, kept: list[int]) -> PolicyVersionError:
+    """The error for a version a store does not hold (never published, or evicted)."""
+    held = f", {kept[0]}..{kept[-1]}" if kept else ""
+    return PolicyVersionError(f"policy version {version} does not exist in the weight store; available: 0 (base){held}")
+
+
+class WeightStore:
+    """Versions in `root` (the filesystem transport). With `model` set, every version records the
+    model it was trained from and loading one published for another model fails, instead of silently
+    serving foreign weights. Keeps the last `keep` versions (None: all)."""
+
+    def __init__(self, root: str | Path, *, model: str | None = None, keep: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.model = model
+        self.keep = keep
+        self.where = str(self.root)
 
     def _dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -92,11 +128,8 @@ class WeightStore:
 
     def publish(
         self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind, lora: LoraSpec | None = None
-    ) -> Path:
-        if version < 1:
-            raise ValueError(f"published versions start at 1 (0 is the base checkpoint); got {version}")
-        if kind == "lora" and lora is None:
-            raise ValueError("kind='lora' needs the LoraSpec the replicas should build")
+    ) -> None:
+        check_publishable(version, kind, lora)
         target = self._dir(version)
         if target.exists():
             raise PolicyVersionError(f"version {version} is already published in {self.root}")
@@ -109,7 +142,9 @@ class WeightStore:
         }
         (staging / "meta.json").write_text(json.dumps(meta))
         os.rename(staging, target)
-        return target
+        if self.keep is not None:
+            for old in self.versions()[: -self.keep]:
+                shutil.rmtree(self._dir(old), ignore_errors=True)
 
     def load(self, version: int) -> WeightVersion:
         meta = self._meta(version)
@@ -124,11 +159,7 @@ class WeightStore:
     def _meta(self, version: int) -> dict:
         directory = self._dir(version)
         if version < 1 or not (directory / "meta.json").is_file():
-            kept = self.versions()
-            raise PolicyVersionError(
-                f"policy version {version} does not exist in the weight store; available: 0 (base)"
-                + (f", {kept[0]}..{kept[-1]}" if kept else "")
-            )
+            raise missing_version(version, self.versions())
         meta = json.loads((directory / "meta.json").read_text())
         published_for = meta.get("model")
         if self.model is not None and published_for is not None and published_for != self.model:
@@ -157,6 +188,11 @@ def weights_dir(config: "RolloutConfig") -> Path:
     return flowgrpo_home() / "weights" / config.app_name / model_identity(config)
 
 
-def open_weight_store(config: "RolloutConfig") -> WeightStore:
-    """The store the trainer and every replica of this config share."""
-    return WeightStore(weights_dir(config), model=model_identity(config))
+def open_weight_store(config: "RolloutConfig") -> VersionStore:
+    """The store the trainer and every replica of this config share (`weights.transport`)."""
+    if config.weights.transport == "object_store":
+        from serve_app.weight_registry import RegistryStore
+
+        return RegistryStore(f"{config.app_name}/{model_identity(config)}", model=model_identity(config),
+                             keep=config.weights.keep_versions)
+    return WeightStore(weights_dir(config), model=model_identity(config), keep=config.weights.keep_versions)

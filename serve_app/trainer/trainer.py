@@ -1,5 +1,5 @@
 """The reference FlowGRPO trainer: rollouts by DeploymentHandle, a clipped-ratio update on its own
-copy of the policy, and a version-pinned weight sync through the WeightStore.
+copy of the policy, and a version-pinned weight sync through the version store (weights.transport).
 
 One training step, top to bottom:
 
@@ -10,7 +10,7 @@ One training step, top to bottom:
     3. update   - replay every window transition with the current weights (sampler.replay_step, the
                   code the rollout ran), r = exp(logp - logp_old) with the stored behaviour log-probs,
                   clipped loss + beta * KL, AdamW; at staleness 0 the first replay must give r == 1
-    4. publish  - WeightStore.publish(v + 1, adapter tensors); new rollouts are pinned to it
+    4. publish  - store.publish(v + 1, adapter tensors); new rollouts are pinned to it
     5. log      - one metrics.csv row; grids, evaluations and checkpoints every few steps
 """
 
@@ -330,7 +330,7 @@ class FlowGRPOTrainer:
             mine = self.model.publishable_state()
             if set(stored) != set(mine) or any(not torch.equal(stored[k], mine[k]) for k in mine):
                 raise PolicyVersionError(
-                    f"checkpoint {directory} is at policy version {self.version}, but {self.store.root} holds other "
+                    f"checkpoint {directory} is at policy version {self.version}, but {self.store.where} holds other "
                     "weights under that version"
                 )
 

@@ -76,3 +76,13 @@ def test_bench_pipeline(flowgrpo_home):
     assert report["training"]["k1"]["speedup_over_k0"]["median"] > 0
     assert 0 < report["training"]["k0_step_shares"]["rollout"] < 1
     assert report["group_noise"]["shared_over_independent"]["median"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_bench_weights(flowgrpo_home):
+    report = run_script("bench_weights.py", "--repeats", "1")
+    assert_finite(report)
+    lora = report["payloads"]["shapes_lora"]
+    assert 0 < lora["bytes"] < report["payloads"]["small_full_transformer"]["bytes"]
+    assert {"filesystem", "object_store"} <= set(lora)
