@@ -31,9 +31,9 @@ test-fast: venv
 
 # FlowGRPO on CPU against the app deployed on a local Ray cluster (loopback only). Default: the
 # shipped shapes-world model learning to draw what its prompts ask (held-out accuracy in eval.csv).
-# `make demo STEPS=40` is shorter, `make demo OUT=outputs/mine` picks the output folder,
+# `make demo STEPS=100` is shorter, `make demo OUT=outputs/mine` picks the output folder,
 # `make demo WORLD=brightness STEPS=60` runs the random tiny model on the brightness reward.
-STEPS ?= 150
+STEPS ?= 400
 OUT ?= outputs/demo
 WORLD ?= shapes
 demo: venv

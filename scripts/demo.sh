@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
-STEPS=${STEPS:-150}
+STEPS=${STEPS:-400}
 WORLD=${WORLD:-shapes}
 case "$WORLD" in
   shapes) APP_CONFIG=shapes_rollout; TRAINER_CONFIG=trainer/shapes ;;
