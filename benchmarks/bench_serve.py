@@ -1,6 +1,6 @@
 """The same rollout workload in process vs through the Serve app by handle, on one machine.
 
-In process: RolloutPlanner -> RolloutEngine -> TrajectoryAssembler called directly, one request at a
+In process: RolloutPlanner -> DiffusersEngine -> TrajectoryAssembler called directly, one request at a
 time. Through the app: a real single-node Ray cluster on 127.0.0.1 with one DiffusionReplica given
 the same torch threads, requests sent by DeploymentHandle. Interleaved rounds, so machine noise
 hits both alike. Also: how trajectory bytes scale with group size and steps.
@@ -35,7 +35,7 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 def in_process_runner(config):
     from serve_app.assembler import TrajectoryAssembler
-    from serve_app.engine import RolloutEngine
+    from serve_app.engine import DiffusersEngine
     from serve_app.planner import RolloutPlanner
     from serve_app.policies import load_configured_policy
     from serve_app.rewards import CompositeReward
@@ -44,7 +44,7 @@ def in_process_runner(config):
     planner = RolloutPlanner(
         policy.text_processor(), config.ingress, config.sampling, policy.geometry, max_work=config.model.max_request_work
     )
-    engine = RolloutEngine(policy)
+    engine = DiffusersEngine(policy)
     assembler = TrajectoryAssembler(CompositeReward(config.reward.components), config.aggregator.advantage)
 
     def run(request: RolloutRequest):

@@ -1,4 +1,5 @@
-"""DiffusionReplica: a thin Serve shell over RolloutEngine (one policy per replica, batched chunks)."""
+"""DiffusionReplica: a thin Serve shell over a SamplingEngine (serve_app.engine_contract; one policy per
+replica, batched chunks; the engine is chosen by replica.backend)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,19 @@ from ray import serve
 from ray.serve import metrics
 
 from serve_app.config import RolloutConfig
-from serve_app.engine import RolloutEngine
+from serve_app.engine import load_engine as load_backend_engine
+from serve_app.engine_contract import SamplingEngine
 from serve_app.errors import WeightMismatchError
 from serve_app.options import check_running_options
 from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import RolloutChunk, Trajectory
-from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
 
 
-def load_engine(config: RolloutConfig) -> RolloutEngine:
-    """Load the configured policy on this process's device, with the weight store the trainer publishes to."""
-    from serve_app.policies import load_configured_policy
-
-    return RolloutEngine(load_configured_policy(config.model), open_weight_store(config))
+def load_engine(config: RolloutConfig) -> SamplingEngine:
+    """The engine replica.backend names, over the configured model and the weight store the trainer publishes to."""
+    return load_backend_engine(config)
 
 
 class DiffusionReplica:
@@ -64,7 +63,7 @@ class DiffusionReplica:
 
     async def generate(self, chunk: RolloutChunk) -> Trajectory:
         """One chunk's trajectory. Concurrent calls are fused into one forward batch; an error raised
-        here is this chunk's own (RolloutEngine.generate isolates the chunks of a fused batch)."""
+        here is this chunk's own (DiffusersEngine.generate isolates the chunks of a fused batch)."""
         result = await self._generate_fused(chunk)
         if isinstance(result, Exception):
             raise result
@@ -73,7 +72,7 @@ class DiffusionReplica:
     def geometry(self) -> ImageGeometry:
         """The image sizes this replica's model takes and what an image costs (the ingress checks
         requests against it before fan-out)."""
-        return self.engine.policy.geometry
+        return self.engine.geometry
 
     async def _generate_batch(self, chunks: list[RolloutChunk]) -> list[Trajectory | Exception]:
         # Sampling is CPU/GPU-bound: run it off the event loop so health checks and metrics keep flowing.
@@ -92,5 +91,5 @@ class DiffusionReplica:
         return await asyncio.to_thread(self.engine.prefetch, version)
 
     async def check_health(self) -> None:
-        # Raising makes Serve replace this replica (RolloutEngine.check_health says what is checked).
+        # Raising makes Serve replace this replica (DiffusersEngine.check_health says what is checked).
         await asyncio.to_thread(self.engine.check_health)

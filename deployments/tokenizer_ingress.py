@@ -1,5 +1,6 @@
 """TokenizerIngress: the app's entry (HTTP and handle). Validates, tokenizes, fans out to the
-replicas (re-running a chunk whose replica died), hands the trajectories to the aggregator."""
+replicas (re-running a chunk whose replica died), has each chunk scored by the aggregator as soon as
+it arrives (while other chunks still sample), then has the aggregator assemble the batch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import base64
 import io
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +21,7 @@ from ray.exceptions import RayActorError
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.assembler import ScoreStream
 from serve_app.config import RolloutConfig
 from serve_app.errors import InvalidRequestError, ReplicaUnavailableError, http_error
 from serve_app.options import check_running_options
@@ -25,10 +29,12 @@ from serve_app.planner import RolloutPlanner
 from serve_app.rewards import TOTAL_KEY
 from serve_app.schemas import (
     ErrorResponse,
+    GroupScores,
     RolloutChunk,
     RolloutRequest,
     RolloutResponse,
     SampleOut,
+    ScoreJob,
     Trajectory,
     TrajectoryBatch,
 )
@@ -47,6 +53,7 @@ ERROR_RESPONSES = {
     409: {"model": ErrorResponse, "description": "The pinned policy version does not exist."},
     413: {"model": ErrorResponse, "description": "More samples or work than the app's limits (field named)."},
     422: {"model": ErrorResponse, "description": "A field is invalid (field named, with what is accepted)."},
+    502: {"model": ErrorResponse, "description": "A reward failed after its retries (reward, prompt and cause named)."},
     503: {"model": ErrorResponse, "description": "Overloaded, or a chunk's replica died on every retry."},
 }
 
@@ -62,6 +69,18 @@ async def _invalid_json(_: Request, exc: RequestValidationError) -> JSONResponse
     error = InvalidRequestError.from_errors([{**first, "loc": tuple(p for p in first["loc"] if p != "body")}])
     return JSONResponse(status_code=422, content=ErrorResponse(
         error="invalid_request", field=error.field, message=error.message).model_dump())
+
+
+async def _all_or_cancel(coroutines: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Their results in order; the first failure cancels the rest (a failed request stops sampling
+    and scoring its other chunks) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 def _png_base64(image) -> str:
@@ -89,7 +108,8 @@ def to_response(batch: TrajectoryBatch, *, return_images: bool) -> RolloutRespon
         for i in range(len(t))
     ]
     return RolloutResponse(
-        policy_version=batch.policy_version, request_id=batch.request_id, samples=samples, metrics=batch.metrics
+        policy_version=batch.policy_version, request_id=batch.request_id, samples=samples, metrics=batch.metrics,
+        dropped_groups=batch.dropped_groups,
     )
 
 
@@ -102,6 +122,7 @@ class TokenizerIngress:
         self.config = config
         self.text_processor = load_text_processor(model_dir(config.model), family=config.model.family)
         self._planner: RolloutPlanner | None = None
+        self._scoring: dict[str, bool] | None = None
         self.replica = replica
         self.aggregator = aggregator
         self.latency = metrics.Histogram(
@@ -126,6 +147,20 @@ class TokenizerIngress:
                 max_work=self.config.model.max_request_work, store=open_weight_store(self.config),
             )
         return self._planner
+
+    async def scoring(self) -> dict[str, bool]:
+        """Which score jobs the aggregator's rewards need (per-sample parts, whole groups), asked once."""
+        if self._scoring is None:
+            self._scoring = await self.aggregator.scoring.remote()
+        return self._scoring
+
+    async def score(self, jobs: list[ScoreJob]) -> list[GroupScores]:
+        """The jobs scored by the aggregator, concurrently; its RewardError (fail closed) fails them all."""
+
+        async def one(job: ScoreJob) -> GroupScores:
+            return await self.aggregator.score.remote(job)
+
+        return await _all_or_cancel([one(job) for job in jobs])
 
     async def sample(self, chunk: RolloutChunk) -> Trajectory:
         """One chunk on some replica. A replica that dies while holding it costs a re-run on another
@@ -156,8 +191,21 @@ class TokenizerIngress:
                     raise InvalidRequestError.from_validation(exc) from None
             # Tokenizing is CPU work; a thread keeps the event loop free (the processor locks the tokenizer).
             plan = await asyncio.to_thread((await self.planner()).plan, request)
-            trajectories = await asyncio.gather(*(self.sample(chunk) for chunk in plan.chunks))
-            batch = await self.aggregator.collect.remote(plan.prompts, plan.group_size, plan.request_id, *trajectories)
+            stream = ScoreStream(plan.prompts, plan.group_size, **await self.scoring())
+            streaming = self.config.aggregator.score_while_sampling
+
+            async def sample_and_score(chunk: RolloutChunk) -> tuple[Trajectory, list[GroupScores]]:
+                trajectory = await self.sample(chunk)
+                return trajectory, (await self.score(stream.add(trajectory)) if streaming else [])
+
+            done = await _all_or_cancel([sample_and_score(chunk) for chunk in plan.chunks])
+            trajectories = [trajectory for trajectory, _ in done]
+            scores = [part for _, parts in done for part in parts]
+            if not streaming:
+                scores = await self.score([job for t in trajectories for job in stream.add(t)])
+            batch = await self.aggregator.collect.remote(
+                plan.prompts, plan.group_size, plan.request_id, scores, *trajectories
+            )
             batch.metrics["rollout_seconds"] = time.perf_counter() - started
             outcome = "ok"
             return batch

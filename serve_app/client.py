@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from serve_app.errors import AppNotDeployedError
+from serve_app.errors import AppNotDeployedError, ReplicaUnavailableError
 from serve_app.schemas import RolloutRequest, SamplingOverrides, SamplingParams, TrajectoryBatch
 
 Sampling = SamplingParams | SamplingOverrides | dict
+
+logger = logging.getLogger(__name__)
 
 DEPLOY_HINT = (
     "start it with `serve deploy serve_config.yaml` (after `ray start --head`, with RAY_AUTH_MODE=token, "
@@ -16,16 +21,47 @@ DEPLOY_HINT = (
 )
 
 
+def lost_with_a_replica(exc: BaseException) -> bool:
+    """Whether a rollout failed because a process serving it died (an actor, a replica, their node),
+    not because of the request: the one kind of failure that sending the same request again can cure.
+
+    Ray re-raises a remote error as a RayTaskError that is also an instance of its cause's type where it
+    can build one, so both the error and its `cause` are looked at.
+    """
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import ReplicaUnavailableError as ServeReplicaUnavailableError
+
+    # RayActorError covers ActorDiedError and ActorUnavailableError (the actor's node is gone or
+    # unreachable); Serve's own ReplicaUnavailableError is its router's word for the same; ours (HTTP 503)
+    # is the ingress's, after its chunk re-runs were used up. A 4xx-type error (InvalidRequestError,
+    # PolicyVersionError) is the request's fault and is never among them.
+    lost = (RayActorError, ServeReplicaUnavailableError, ReplicaUnavailableError)
+    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
+
 class RolloutClient:
     """Finds the app's ingress handle by app name and sends RolloutRequests.
 
     `rollout` blocks (call it from a training loop); `rollout_async` is for asyncio code. Both
     return a TrajectoryBatch of tensors; errors arrive as the service's typed exceptions.
+
+    A rollout lost with a process that served it (a replica or its node died, see
+    :func:`lost_with_a_replica`) is sent again, the same request, up to `retries` times (`retry_delay_s`
+    apart, for Serve to notice the death). A seeded request pinned to a version comes back identical
+    (a sample's noise depends only on its seed); an unseeded one gets fresh seeds, an unpinned one the
+    version that is newest when it is re-planned, stamped as such. `timeout_s` bounds each attempt.
+    Nothing else is retried.
     """
 
-    def __init__(self, app_name: str = "flowgrpo", *, handle: Any | None = None) -> None:
+    def __init__(self, app_name: str = "flowgrpo", *, handle: Any | None = None, retries: int = 1,
+                 retry_delay_s: float = 1.0) -> None:
+        if retries < 0 or retry_delay_s < 0:
+            raise ValueError(f"retries and retry_delay_s must be >= 0; got {retries} and {retry_delay_s}")
         self.app_name = app_name
         self._handle = handle
+        self.retries = retries
+        self.retry_delay_s = retry_delay_s
+        self.lost_rollouts = 0  # attempts lost with a replica and sent again, over this client's life
 
     @property
     def handle(self) -> Any:
@@ -70,7 +106,15 @@ class RolloutClient:
         timeout_s: float | None = None,
     ) -> TrajectoryBatch:
         request = self._request(prompts, group_size, sampling, policy_version, seed)
-        return self.handle.rollout.remote(request).result(timeout_s=timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return self.handle.rollout.remote(request).result(timeout_s=timeout_s)
+            except Exception as exc:
+                if not self._retry(exc, attempt):
+                    raise
+            attempt += 1
+            time.sleep(self.retry_delay_s)
 
     async def rollout_async(
         self,
@@ -81,4 +125,21 @@ class RolloutClient:
         seed: int | None = None,
     ) -> TrajectoryBatch:
         request = self._request(prompts, group_size, sampling, policy_version, seed)
-        return await self.handle.rollout.remote(request)
+        attempt = 0
+        while True:
+            try:
+                return await self.handle.rollout.remote(request)
+            except Exception as exc:
+                if not self._retry(exc, attempt):
+                    raise
+            attempt += 1
+            await asyncio.sleep(self.retry_delay_s)
+
+    def _retry(self, exc: Exception, attempt: int) -> bool:
+        """Whether to send the request again after attempt `attempt` (0-based) failed with `exc`."""
+        if attempt >= self.retries or not lost_with_a_replica(exc):
+            return False
+        self.lost_rollouts += 1
+        logger.warning("rollout lost with a replica (attempt %d of %d), sending the same request again: %s",
+                       attempt + 1, self.retries + 1, type(exc).__name__)
+        return True

@@ -48,7 +48,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Which diffusion model the replicas load."""
 
-    family: Literal["qwen_image", "sd3"] = Field("qwen_image", description="Model family (selects the policy adapter).")
+    family: Literal["qwen_image", "sd3", "flux"] = Field(
+        "qwen_image", description="Model family (selects the policy adapter)."
+    )
     path: str | None = Field(
         None, description="Local diffusers pipeline directory; None uses the embedded checkpoint `embedded`."
     )
@@ -63,6 +65,12 @@ class ModelConfig(_Section):
         "Class.from_pretrained loads the folder (diffusers imports no module a checkpoint names).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute dtype.")
+    distilled_guidance: float = Field(
+        3.5, ge=0, allow_inf_nan=False,
+        description="The `guidance` input of guidance-distilled transformers (Flux.1-dev: the stock pipeline's "
+        "guidance_scale), one value for the replicas and the trainer alike; ignored by models without a guidance "
+        "embedding. True CFG is sampling.guidance_scale.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")
     max_request_work: int = Field(
         2**22,
@@ -124,6 +132,11 @@ class ReplicaConfig(_Section):
     health_check_timeout_s: float = Field(
         30, gt=0, description="A health check slower than this marks the replica unhealthy (Serve replaces it)."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica needs, {name: amount}: replicas start only on nodes that "
+        "offer them (e.g. `ray start --resources '{\"rollout_slot\": 1}'`), which places them on chosen nodes.",
+    )
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description="Replica autoscaling.")
     torch_threads: int | None = Field(
         None,
@@ -144,6 +157,18 @@ class ReplicaConfig(_Section):
                 "CPU and GPU"
             )
         return backend
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is one of Ray's own resources; set it with replica.num_cpus / num_gpus, "
+                                 "not replica.resources")
+            # Ray's rule for a quantity one task asks for: a fraction of one unit, or whole units.
+            if not (0 < amount <= 1 or (amount > 1 and float(amount).is_integer())):
+                raise ValueError(f"resource {name!r} amount must be in (0, 1] or a whole number; got {amount}")
+        return resources
 
     @model_validator(mode="after")
     def _check_batching(self) -> ReplicaConfig:
@@ -168,7 +193,12 @@ class AggregatorConfig(_Section):
 
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs reserved for the aggregator.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests the aggregator assembles at once.")
-    reward_threads: int = Field(2, ge=1, description="Threads scoring groups concurrently.")
+    reward_threads: int = Field(2, ge=1, description="Threads running in-process rewards concurrently.")
+    score_while_sampling: bool = Field(
+        True,
+        description="Score each chunk as it arrives, while others still sample (groupwise rewards when their group "
+        "is whole); false scores everything after the last chunk (for comparison: benchmarks/bench_rewards.py).",
+    )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage computation.")
 
 

@@ -1,38 +1,58 @@
-"""The replica's logic: fuse concurrent chunks into batches, keep the weights at the pinned version,
-run the sampler, split the result back per chunk."""
+"""The diffusers sampling engine - one implementation of serve_app.engine_contract.SamplingEngine: fuse
+concurrent chunks into batches, keep the weights at the pinned version, run our sampler on a diffusers
+policy, split the result back per chunk."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from serve_app.engine_contract import BatchStats, EmbeddedChunk, SamplingEngine
 from serve_app.errors import NumericalError
 from serve_app.flowgrpo.sampler import encode_conditioning, rollout
-from serve_app.policies.base import DiffusionPolicy
+from serve_app.policies.base import DiffusionPolicy, ImageGeometry
 from serve_app.schemas import PromptEmbeds, RolloutChunk, Trajectory
 from serve_app.replica_weights import PolicyVersions
 from serve_app.weights import VersionStore
 
+if TYPE_CHECKING:
+    from serve_app.config import RolloutConfig
 
-@dataclass
-class BatchStats:
-    images: int
-    seconds_per_step: float
-    policy_version: int
+__all__ = ["BatchStats", "DiffusersEngine", "load_engine"]
 
 
-class RolloutEngine:
-    """Runs chunks on one policy; thread-safe (one batch at a time)."""
+def load_engine(config: RolloutConfig) -> SamplingEngine:
+    """The engine `replica.backend` names, over the configured model and the trainer's weight store."""
+    from serve_app.policies import load_configured_policy
+    from serve_app.weights import open_weight_store
+
+    if config.replica.backend == "diffusers":
+        return DiffusersEngine(load_configured_policy(config.model), open_weight_store(config))
+    raise ValueError(f"replica.backend {config.replica.backend!r} has no engine; available: diffusers")
+
+
+class DiffusersEngine:
+    """Runs chunks on one diffusers policy; thread-safe (one batch at a time)."""
+
+    backend = "diffusers"
 
     def __init__(self, policy: DiffusionPolicy, store: VersionStore | None = None) -> None:
         self.policy = policy
         self.versions = PolicyVersions(policy, store)
         self._lock = threading.Lock()
         self._probe_conditioning: PromptEmbeds | None = None
+
+    @property
+    def family(self) -> str:
+        return self.policy.family
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return self.policy.geometry
 
     def generate(self, chunks: Sequence[RolloutChunk]) -> tuple[list[Trajectory | Exception], list[BatchStats]]:
         """One result per chunk, in order: its trajectory, or the error it alone caused.
@@ -87,6 +107,18 @@ class RolloutEngine:
         sigma = torch.ones(1, device=policy.device)
         return policy.velocity(latents, sigma, self._probe_conditioning, negative=None, guidance_scale=1.0,
                                height=side, width=side)
+
+    def generate_embedded(self, chunk: EmbeddedChunk) -> Trajectory:
+        """Sample from already encoded prompts (the contract's embeddings entry); raises on error."""
+        with self._lock:
+            self.versions.ensure(chunk.policy_version)
+            trajectory = rollout(
+                self.policy, chunk.conditioning, chunk.seeds, chunk.sampling, window_start=chunk.window_start,
+                prompt_index=chunk.prompt_index, sample_index=chunk.sample_index, policy_version=chunk.policy_version,
+                weights_hash=self.versions.current_hash, group_seeds=chunk.group_seeds,
+            )
+        _check_finite(trajectory)
+        return trajectory
 
     def prefetch(self, version: int) -> int:
         """Load `version` now, between batches; returns the version loaded."""

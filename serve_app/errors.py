@@ -121,7 +121,9 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, str]]:
     if isinstance(cause, RolloutError):
         return cause.http_status, _body(type(cause).__name__, str(cause))
     if isinstance(cause, RewardError):
-        return 500, _body("reward", str(cause))
+        # Fail closed: a reward that failed after its retries fails the request, naming reward, prompt and
+        # cause. 502: an upstream the service depends on (a reward model or server) answered badly.
+        return 502, _body("reward_failed", str(cause))
     return 500, _body("internal", "the service failed to serve this request; the server log has the trace")
 
 

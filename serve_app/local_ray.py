@@ -41,7 +41,8 @@ def benchmark_cluster(*, http_port: int | None) -> Iterator[None]:
     sys.stdout.flush()
     stdout_fd = os.dup(1)
     os.dup2(2, 1)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+    # address="local": a cluster of its own even when `ray start` left another one on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env})
     try:
         if http_port is not None:

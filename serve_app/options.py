@@ -16,6 +16,7 @@ from typing import Any
 
 from serve_app.config import AutoscalingConfig, RolloutConfig
 from serve_app.errors import RolloutError
+from serve_app.rewards.composite import RewardSpec
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ OPTIONS: dict[str, tuple[Option, ...]] = {
     "DiffusionReplica": (
         Option("ray_actor_options.num_cpus", "replica.num_cpus"),
         Option("ray_actor_options.num_gpus", "replica.num_gpus"),
+        Option("ray_actor_options.resources", "replica.resources"),
         Option("max_ongoing_requests", "replica.max_ongoing_requests"),
         Option("max_queued_requests", "replica.max_queued_requests"),
         Option("health_check_period_s", "replica.health_check_period_s"),
@@ -46,14 +48,19 @@ OPTIONS: dict[str, tuple[Option, ...]] = {
 }
 
 
+# Ray's own resources: what `get_assigned_resources` reports besides the custom ones a deployment asked for.
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 class OptionConflictError(RolloutError):
     """Serve runs a deployment with an option other than the config's: it was set a second time."""
 
 
 def _configured(config: RolloutConfig, deployment: str) -> dict[str, Any]:
-    """{serve option: value} of one deployment; None (Serve's own default, e.g. initial_replicas) left out."""
+    """{serve option: value} of one deployment; None and {} (Serve's own default, e.g. initial_replicas, no
+    custom resources) left out."""
     values = {o.serve: attrgetter(o.setting)(config) for o in OPTIONS[deployment]}
-    return {name: value for name, value in values.items() if value is not None}
+    return {name: value for name, value in values.items() if value is not None and value != {}}
 
 
 def deployment_options(config: RolloutConfig) -> dict[str, dict[str, Any]]:
@@ -93,6 +100,12 @@ def check_running_options(config: RolloutConfig, deployment: str) -> None:
         expected = attrgetter(option.setting)(config)
         if expected is None:
             continue
+        if option.serve == "ray_actor_options.resources":
+            custom = {k: v for k, v in resources.items() if k not in RAY_RESOURCES}
+            if not _same_resources(custom, expected):
+                conflicts.append(f"{option.serve} = {custom} where the rollout config has {option.setting} = {expected}")
+                settings.append(f"'{option.setting}=...'")
+            continue
         if option.serve.startswith("ray_actor_options."):
             actual = resources.get("GPU" if option.serve.endswith("num_gpus") else "CPU", 0.0)
         elif option.serve.startswith("autoscaling_config."):
@@ -109,4 +122,60 @@ def check_running_options(config: RolloutConfig, deployment: str) -> None:
             "They were set a second time, most likely in the `deployments:` entries of serve_config.yaml, which "
             f"Serve applies over build_app's. Set each option in one place: the app's `args.overrides` "
             f"({', '.join(settings)}), not `deployments:`."
+        )
+
+
+def _same_resources(actual: dict[str, float], expected: dict[str, float]) -> bool:
+    return actual.keys() == expected.keys() and all(
+        math.isclose(float(actual[k]), float(expected[k]), rel_tol=1e-9, abs_tol=1e-9) for k in expected
+    )
+
+
+def reward_server_options(spec: RewardSpec) -> dict[str, Any]:
+    """Keyword arguments of ``serve.deployment`` for the RewardServer of one reward component
+    (``placement: deployment``): its own resources, replicas or autoscaling, and runtime_env."""
+    server = spec.server
+    actor: dict[str, Any] = {"num_cpus": server.num_cpus, "num_gpus": server.num_gpus}
+    if server.runtime_env:
+        actor["runtime_env"] = dict(server.runtime_env)
+    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": server.max_ongoing_requests}
+    if server.max_replicas is None:
+        options["num_replicas"] = server.min_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": server.min_replicas,
+            "max_replicas": server.max_replicas,
+            "target_ongoing_requests": server.target_ongoing_requests,
+        }
+    return options
+
+
+def check_reward_server_options(spec: RewardSpec, key: str) -> None:
+    """Raise OptionConflictError if this RewardServer replica runs with Serve options other than its
+    reward spec's (``reward.components[].server``). Outside a Serve replica there is nothing to check."""
+    import ray
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return
+    running = context._deployment_config  # filled before the constructor runs (see check_running_options)
+    resources = ray.get_runtime_context().get_assigned_resources()
+    server = spec.server
+    scaling = running.autoscaling_config
+    found = {
+        "num_cpus": resources.get("CPU", 0.0), "num_gpus": resources.get("GPU", 0.0),
+        "max_ongoing_requests": running.max_ongoing_requests,
+        "min_replicas": running.num_replicas if scaling is None else scaling.min_replicas,
+    }
+    expected = {"num_cpus": server.num_cpus, "num_gpus": server.num_gpus,
+                "max_ongoing_requests": server.max_ongoing_requests, "min_replicas": server.min_replicas}
+    conflicts = [f"{name} = {found[name]} where the spec has {value}" for name, value in expected.items()
+                 if found[name] is None or not math.isclose(float(found[name]), float(value), abs_tol=1e-9)]
+    if conflicts:
+        raise OptionConflictError(
+            f"RewardServer_{key} runs with Serve options other than its reward spec's (reward.components[].server): "
+            f"{'; '.join(conflicts)}. Set them in the reward spec, not in the `deployments:` of serve_config.yaml."
         )

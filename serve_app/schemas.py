@@ -9,7 +9,7 @@ deployments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 import torch
@@ -320,7 +320,10 @@ class TrajectoryBatch:
     Samples are ordered by (prompt_index, sample_index): group g occupies rows g*G .. g*G+G-1.
     rewards: per reward key [B] float32 (the weighted sum under "total").
     advantages: [B] float32 group-relative advantages.
-    metrics: scalar summaries (reward mean/std, tied-group share, timings).
+    metrics: scalar summaries (reward mean/std, tied-group share, dropped groups, timings).
+    dropped_groups: {prompt index: why} of the groups a reward with `on_error: drop_group` failed to
+        score; they are not in the batch (rows hold the kept groups in order, prompt_index keeps the
+        request's numbering) and advantages are computed over the kept groups only.
     """
 
     trajectory: Trajectory
@@ -330,6 +333,7 @@ class TrajectoryBatch:
     advantages: torch.Tensor
     metrics: dict[str, float]
     request_id: str
+    dropped_groups: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.trajectory)
@@ -337,6 +341,34 @@ class TrajectoryBatch:
     @property
     def policy_version(self) -> int:
         return self.trajectory.policy_version
+
+
+@dataclass
+class ScoreJob:
+    """Samples of one prompt's group to score, sent by the ingress as chunks arrive: a chunk's part of
+    the group for the per-sample rewards, or (``whole_group``) all G samples in sample order for the
+    groupwise rewards, once the group's last sample is in.
+
+    sample_index: [n] long; images: [n, 3, H, W] uint8.
+    """
+
+    prompt_index: int
+    prompt: str
+    sample_index: torch.Tensor
+    images: torch.Tensor
+    whole_group: bool
+
+
+@dataclass
+class GroupScores:
+    """A ScoreJob's result: [n] float32 values per reward key for ``sample_index``, or, when a reward
+    with ``on_error: drop_group`` failed on it, no values and the failure that drops the group."""
+
+    prompt_index: int
+    sample_index: torch.Tensor
+    values: dict[str, torch.Tensor]
+    failed_reward: str | None = None
+    failure: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,6 +407,9 @@ class RolloutResponse(BaseModel):
     request_id: str
     samples: list[SampleOut]
     metrics: dict[str, float]
+    dropped_groups: dict[int, str] = Field(
+        default_factory=dict, description="Prompt index -> why, for groups a reward failed on (on_error: drop_group)."
+    )
 
 
 

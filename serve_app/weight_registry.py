@@ -84,8 +84,11 @@ class RegistryStore:
         self.model = model
         self.where = f"the weight registry {self.name!r} (Ray object store)"
         # Detached: versions outlive the trainer that published them; the cluster's end ends them.
+        # On the head node: Ray would otherwise place it beside its first caller (often a replica on a
+        # worker node), and losing that node would lose every published version with it.
         self.registry = WeightRegistryActor.options(
-            name=self.name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+            name=self.name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+            resources={"node:__internal_head__": 0.001},
         ).remote(keep)
 
     def versions(self) -> list[int]:

@@ -7,7 +7,7 @@ import torch
 
 from serve_app.assembler import TrajectoryAssembler, merge_chunks
 from serve_app.config import AdvantageConfig, IngressConfig
-from serve_app.engine import RolloutEngine
+from serve_app.engine import DiffusersEngine
 from serve_app.errors import (
     GroupIncompleteError,
     InvalidRequestError,
@@ -34,7 +34,7 @@ def planner(tiny_policy):
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy, tmp_path_factory):
-    return RolloutEngine(tiny_policy, WeightStore(tmp_path_factory.mktemp("weights")))
+    return DiffusersEngine(tiny_policy, WeightStore(tmp_path_factory.mktemp("weights")))
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_a_failing_chunk_in_a_fused_batch_fails_alone(planner, engine):
 
 
 def test_non_finite_samples_are_a_typed_error(planner, own_policy):
-    engine = RolloutEngine(own_policy)
+    engine = DiffusersEngine(own_policy)
     weight = next(p for n, p in own_policy.transformer.named_parameters() if n.endswith("proj_out.weight"))
     with torch.no_grad():
         weight.fill_(float("inf"))
@@ -256,7 +256,7 @@ def test_latest_is_resolved_once_per_request(own_policy, assembler, tmp_path):
     plan = planner.plan(RolloutRequest(prompts=["a cat", "a dog"], group_size=2, seed=4))
     assert plan.policy_version == 1 and {c.policy_version for c in plan.chunks} == {1}
     # A version published while the request runs does not split it: every chunk runs at 1.
-    versions_engine = RolloutEngine(tiny_policy, store)
+    versions_engine = DiffusersEngine(tiny_policy, store)
     first = versions_engine.generate(plan.chunks[:1])[0]
     store.publish(2, lora, kind="lora", lora=_SPEC)
     rest = versions_engine.generate(plan.chunks[1:])[0]
@@ -282,7 +282,7 @@ def _lora_state(policy) -> dict[str, torch.Tensor]:
 def test_health_check_runs_a_forward_and_fails_on_a_broken_replica(own_policy, tmp_path):
     tiny_policy = own_policy
     store = WeightStore(tmp_path / "weights")
-    engine = RolloutEngine(tiny_policy, store)
+    engine = DiffusersEngine(tiny_policy, store)
     engine.check_health()  # a one-step forward of the smallest image: finite
     store.publish(1, _lora_state(tiny_policy), kind="lora", lora=_SPEC)
     engine.prefetch(1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve_app.config import IngressConfig
-from serve_app.engine import RolloutEngine
+from serve_app.engine import DiffusersEngine
 from serve_app.errors import PolicyVersionError
 from serve_app.planner import RolloutPlanner
 from serve_app.schemas import RolloutRequest, SamplingParams
@@ -35,7 +35,7 @@ def setup(tmp_path, tiny_qwen_dir):
 
     policy = load_policy(tiny_qwen_dir)  # its own copy: versions add an adapter to the transformer
     store = WeightStore(tmp_path / "weights")
-    engine = RolloutEngine(policy, store)
+    engine = DiffusersEngine(policy, store)
     planner = RolloutPlanner(
         policy.text_processor(), IngressConfig(chunk_size=2), SAMPLING, policy.geometry, max_work=2**22, store=store
     )

@@ -32,7 +32,7 @@ def ray_cluster(flowgrpo_home):
     import ray
 
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()
 

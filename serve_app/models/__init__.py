@@ -18,14 +18,19 @@ from .registry import (
 )
 
 if TYPE_CHECKING:
+    from .tiny_clip import build_tiny_clip, ensure_tiny_clip
+    from .tiny_flux import build_tiny_flux
     from .tiny_qwen_image import build_tiny_qwen_image
     from .tiny_sd3 import build_tiny_sd3
     from .tokenizer import build_qwen2_tokenizer
 
 _LAZY = {
     "build_qwen2_tokenizer": ".tokenizer",
+    "build_tiny_clip": ".tiny_clip",
+    "build_tiny_flux": ".tiny_flux",
     "build_tiny_qwen_image": ".tiny_qwen_image",
     "build_tiny_sd3": ".tiny_sd3",
+    "ensure_tiny_clip": ".tiny_clip",
 }
 
 __all__ = [
@@ -33,10 +38,13 @@ __all__ = [
     "EMBEDDED_MODELS",
     "EmbeddedModel",
     "build_qwen2_tokenizer",
+    "build_tiny_clip",
+    "build_tiny_flux",
     "build_tiny_qwen_image",
     "build_tiny_sd3",
     "ensure_embedded_model",
     "ensure_qwen2_tokenizer",
+    "ensure_tiny_clip",
     "flowgrpo_home",
 ]
 

@@ -32,7 +32,7 @@ __all__ = [
 # are not reused.
 BUILD_VERSION = "v1"
 
-ModelFamily = Literal["qwen_image", "sd3"]
+ModelFamily = Literal["qwen_image", "sd3", "flux"]
 
 
 class Builder(Protocol):
@@ -68,6 +68,12 @@ def _tiny_sd3(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     return build_tiny_sd3(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
 
 
+def _tiny_flux(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_flux import build_tiny_flux
+
+    return build_tiny_flux(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
+
+
 def _qwen2_tokenizer(out_dir: Path) -> Path:
     from .tokenizer import build_qwen2_tokenizer
 
@@ -78,6 +84,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-qwen-image": EmbeddedModel("qwen_image", build=_tiny_qwen_image),
     "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
+    "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
 }
 
 

@@ -26,7 +26,7 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SUPPORTED_FAMILIES = ("qwen_image", "sd3")
+SUPPORTED_FAMILIES = ("qwen_image", "sd3", "flux")
 
 
 def policy_class(family: str) -> type[DiffusionPolicy]:
@@ -39,6 +39,10 @@ def policy_class(family: str) -> type[DiffusionPolicy]:
         from serve_app.policies.sd3 import SD3Policy
 
         return SD3Policy
+    if family == "flux":
+        from serve_app.policies.flux import FluxPolicy
+
+        return FluxPolicy
     raise ValueError(f"unknown model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
 
 
@@ -106,6 +110,9 @@ def model_dir(model: ModelConfig) -> Path:
 def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
     """What the replicas and the trainer both load, so their weights at version 0 are the same."""
     device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_policy(
+    policy = load_policy(
         model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype], components=model.components
     )
+    if model.family == "flux":
+        policy.distilled_guidance = model.distilled_guidance  # type: ignore[attr-defined]
+    return policy

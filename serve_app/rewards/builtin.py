@@ -7,6 +7,7 @@ every reward is called the same way.
 
 from __future__ import annotations
 
+import importlib
 import io
 from typing import Sequence
 
@@ -115,3 +116,11 @@ def saturation() -> RewardFn:
         return sat.mean(dim=(1, 2))
 
     return reward
+
+
+# The model-based and remote rewards live in modules of their own and register on import, wherever
+# the built-ins are loaded; they import transformers/HTTP machinery only when a reward is built.
+for _module in ("clip_score", "remote"):
+    importlib.import_module(f".{_module}", __package__)
+# Video rewards (`frames` over any image reward, `temporal_consistency`): torch only, no codec.
+importlib.import_module(".video", __package__)

@@ -4,10 +4,16 @@ A *reward* is a callable ``(images, prompts) -> rewards`` with ``images`` a uint
 ``[B, 3, H, W]``, ``prompts`` a sequence of ``B`` strings and ``rewards`` a float tensor ``[B]``.
 A *factory* takes keyword arguments (the ``args`` of a reward spec) and returns a reward, so that
 configuration stays plain data that can travel to any Ray worker.
+
+A *groupwise* reward (a ranking, a diversity bonus) scores a whole group at once: it is called with
+all ``G`` samples of one prompt, in sample order, and never with a part of a group. A factory
+declares it (``@register_reward(name, groupwise=True)``), as can a plain callable or class with a
+``groupwise = True`` attribute; a reward spec's ``groupwise`` overrides the declaration.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
@@ -29,8 +35,8 @@ _REGISTRY: dict[str, RewardFactory] = {}
 _FACTORY_MARK = "__reward_factory__"
 
 
-def register_reward(name: str) -> Callable[[F], F]:
-    """Decorator registering a reward factory under ``name``."""
+def register_reward(name: str, *, groupwise: bool = False) -> Callable[[F], F]:
+    """Decorator registering a reward factory under ``name``; ``groupwise``: its rewards score whole groups."""
     if not name or ":" in name:
         raise ValueError(f"invalid reward name {name!r}: must be non-empty and contain no ':'")
 
@@ -40,6 +46,7 @@ def register_reward(name: str) -> Callable[[F], F]:
         if old is not None and _qualname(old) != _qualname(factory):
             raise ValueError(f"reward {name!r} is already registered to {_qualname(old)}")
         setattr(factory, _FACTORY_MARK, True)
+        factory.groupwise = groupwise  # type: ignore[attr-defined]
         _REGISTRY[name] = factory
         return factory
 
@@ -78,9 +85,25 @@ def build_reward(name: str, **kwargs: Any) -> RewardFn:
     return _call_factory(name, _REGISTRY[name], kwargs)
 
 
+def declares_groupwise(name: str) -> bool:
+    """Whether the reward named ``name`` (registered name or import path) declares itself groupwise.
+
+    Raises:
+        ValueError: unknown name or unimportable path.
+    """
+    _load_builtins()
+    if is_import_path(name):
+        target = import_object(name, what="reward")
+    elif name in _REGISTRY:
+        target = _REGISTRY[name]
+    else:
+        raise ValueError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}")
+    return bool(getattr(target, "groupwise", False))
+
+
 def _load_builtins() -> None:
     # Imported here, not at module top, because builtin.py imports this module to register.
-    from . import builtin  # noqa: F401
+    importlib.import_module(f"{__package__}.builtin")
 
 
 def _qualname(obj: Any) -> str:

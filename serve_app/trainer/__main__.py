@@ -2,6 +2,10 @@
 
     python -m serve_app.trainer --config trainer/flowgrpo --steps 30 --out outputs/run1 [key=value ...]
     python -m serve_app.trainer --out outputs/run1 --resume outputs/run1/checkpoint --steps 60
+    python -m serve_app.trainer --workers 2 --out outputs/dp [trainer.distributed.strategy=fsdp ...]
+
+With --workers N > 1 (trainer.distributed.workers) the run is N Ray Train workers on the cluster
+(serve_app.trainer.distributed): each replays its shard of every rollout, rank 0 publishes and writes.
 
 The config is validated before anything connects to Ray, so a typo fails in a second.
 """
@@ -20,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output directory, e.g. outputs/run1")
     parser.add_argument("--resume", default=None, help="a checkpoint directory (outputs/<run>/checkpoint)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: the running local one)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="overrides trainer.distributed.workers: N > 1 trains on N Ray Train workers")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.lr=1e-3")
     return parser.parse_args(argv)
 
@@ -30,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve_app.trainer.config import load_trainer_config
 
     overrides = list(args.overrides) + ([f"trainer.steps={args.steps}"] if args.steps is not None else [])
+    overrides += [f"trainer.distributed.workers={args.workers}"] if args.workers is not None else []
     try:
         config = load_trainer_config(args.config, overrides)
     except ConfigError as e:
@@ -43,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     from serve_app.trainer.trainer import FlowGRPOTrainer
 
     ray.init(address=args.address, log_to_driver=False)
+    if config.trainer.distributed.workers > 1:
+        from serve_app.trainer.distributed import run_data_parallel
+
+        report = run_data_parallel(config, args.out, resume=args.resume)
+        print(report.get("summary", report))
+        return 0
     client = RolloutClient(config.app_name)
     _ = client.handle  # fails now, with the deploy hint, when the app is not running
     replica = serve.get_deployment_handle("DiffusionReplica", config.app_name) if config.trainer.prefetch else None

@@ -11,7 +11,7 @@ the deployments (advantages, rewards, resources) take effect where the app is de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -43,6 +43,34 @@ class EvaluationSection(_Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the evaluator.")
     samples_per_prompt: int = Field(4, ge=1, description="Fixed-seed ODE samples per evaluation prompt.")
     grid_samples: int = Field(4, ge=1, description="Samples per prompt shown in the evaluation grids.")
+
+
+class MismatchSection(_Section):
+    """The rollout-vs-replay mismatch monitor and truncated importance sampling (serve_app.trainer.mismatch)."""
+
+    max_abs_log_ratio: float = Field(
+        1e-5, gt=0,
+        description="Bound on |log pi_trainer - log pi_rollout| of any transition at the first replay (fp32 engines: "
+        "0 to ~1e-7; velocities rounded to bf16 in rollout: 6e-5 to 9e-5 on the tiny models).",
+    )
+    action: Literal["warn", "stop"] = Field("warn", description="Above the bound: log a warning, or stop training.")
+    tis_cap: float | None = Field(
+        None, gt=0,
+        description="Truncated importance sampling for an engine known to differ (bf16, other kernels): weight each "
+        "transition's loss by min(exp(logp_trainer_old - logp_rollout), tis_cap); None = off.",
+    )
+
+
+class DistributedSection(_Section):
+    """Data-parallel training on Ray Train (serve_app.trainer.distributed); workers 1 trains in this process."""
+
+    workers: int = Field(1, ge=1, description="TorchTrainer workers (ranks); each replays its shard of every rollout.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: the transformer on every rank, gradients all-reduced; fsdp: its parameters sharded "
+        "over the ranks with torch's FSDP2 (fully_shard), for a transformer that does not fit one device.",
+    )
+    use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend; False: CPU and gloo.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per worker (fractions allowed).")
 
 
 class TrainerSection(_Section):
@@ -78,6 +106,8 @@ class TrainerSection(_Section):
         1e-4, gt=0, description="Largest |ratio - 1| accepted before the first optimizer step of a rollout."
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="Adapter settings.")
+    mismatch: MismatchSection = Field(default_factory=MismatchSection, description="Rollout-vs-replay mismatch.")
+    distributed: DistributedSection = Field(default_factory=DistributedSection, description="Data-parallel workers.")
     eval_every: int = Field(
         0, ge=0, description="Steps between ODE evaluations (before training, every so many steps and at the end); 0 = never."
     )
@@ -105,6 +135,15 @@ class TrainerSection(_Section):
             raise ValueError(
                 f"trainer.prompts_per_step ({self.prompts_per_step}) exceeds the {len(self.prompts)} trainer.prompts"
             )
+        workers = self.distributed.workers
+        if self.prompts_per_step % workers:
+            raise ValueError(
+                f"trainer.prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer.distributed.workers "
+                f"({workers}): every worker replays the same number of whole groups"
+            )
+        if workers > 1 and self.distributed.strategy == "fsdp" and self.ema_decay is not None:
+            raise ValueError("trainer.ema_decay is not supported with trainer.distributed.strategy fsdp "
+                             "(the EMA of sharded weights is not implemented); use ddp or ema_decay null")
         return self
 
 

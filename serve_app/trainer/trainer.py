@@ -12,6 +12,9 @@ One training step, top to bottom:
                   clipped loss + beta * KL, AdamW; at staleness 0 the first replay must give r == 1
     4. publish  - store.publish(v + 1, adapter tensors); new rollouts are pinned to it
     5. log      - one metrics.csv row; grids, evaluations and checkpoints every few steps
+
+On N data-parallel ranks (trainer.distributed, serve_app.trainer.distributed) the same code runs on each:
+rank 0 does 1, 2, 4 and 5 and sends every rank its shard of whole groups for 3; one process is world size 1.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from serve_app.rewards import TOTAL_KEY
 from serve_app.schemas import SamplingParams, Trajectory, TrajectoryBatch
 from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
 from serve_app.trainer.config import TrainerRunConfig
+from serve_app.trainer.distributed import DataParallel, scalar
 from serve_app.trainer.ema import EMAModel, averaged_weights
 from serve_app.trainer.evaluation import RunEvaluator
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
+from serve_app.trainer.mismatch import MismatchMonitor
 from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_grid
 from serve_app.trainer.pipeline import Delivered, RolloutPipeline
 from serve_app.trainer.telemetry import TrainerTelemetry
@@ -75,6 +80,21 @@ class UpdateStats:
     ratios: list[torch.Tensor] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     onpolicy_ratio_dev: float = 0.0
+    onpolicy_ratio_dev_by_rank: list[float] = field(default_factory=list)
+
+    @staticmethod
+    def merged(parts: list[UpdateStats]) -> UpdateStats:
+        """The ranks' stats as one (for rank 0's metrics row): per-micro-batch values of every rank, the
+        gradient norms and the on-policy deviations every rank already shares."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        return UpdateStats(
+            losses=[v for p in parts for v in p.losses], kls=[v for p in parts for v in p.kls],
+            approx_kls=[v for p in parts for v in p.approx_kls], clip_fracs=[v for p in parts for v in p.clip_fracs],
+            ratios=[r for p in parts for r in p.ratios], grad_norms=first.grad_norms,
+            onpolicy_ratio_dev=first.onpolicy_ratio_dev, onpolicy_ratio_dev_by_rank=first.onpolicy_ratio_dev_by_rank,
+        )
 
 
 class FlowGRPOTrainer:
@@ -87,11 +107,14 @@ class FlowGRPOTrainer:
         policy: an already loaded policy (tests); default loads config.model.
         resume: a checkpoint directory to continue from.
         replica_handle: optional DiffusionReplica handle to push new versions ahead (trainer.prefetch).
+        parallel: this process's rank in a data-parallel group (serve_app.trainer.distributed); default one
+            process. Ranks other than 0 get no client: they replay the shards rank 0 sends, and write nothing.
     """
 
-    def __init__(self, config: TrainerRunConfig, client: RolloutSource, out_dir: str | Path, *,
+    def __init__(self, config: TrainerRunConfig, client: RolloutSource | None, out_dir: str | Path, *,
                  policy: DiffusionPolicy | None = None, resume: str | Path | None = None,
-                 replica_handle: Any | None = None, progress: bool = True) -> None:
+                 replica_handle: Any | None = None, progress: bool = True,
+                 parallel: DataParallel | None = None) -> None:
         self.config = config
         self.cfg = config.trainer
         self.client = client
@@ -102,7 +125,10 @@ class FlowGRPOTrainer:
         torch.manual_seed(self.cfg.seed)
         self.policy = policy if policy is not None else load_trainer_policy(config)
         self.model = TrainableTransformer(self.policy, self.cfg.lora)
+        self.parallel = parallel if parallel is not None else DataParallel()
+        self.parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.mismatch = MismatchMonitor(**self.cfg.mismatch.model_dump())  # rollout-vs-replay, always on
         self.store = open_weight_store(config)
         self.sampling: SamplingParams = config.sampling
         self.step = 0  # steps completed
@@ -114,7 +140,8 @@ class FlowGRPOTrainer:
         if self.cfg.shuffle_prompts:
             random.Random(self.cfg.seed).shuffle(self.prompts)
         # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay).
-        self.ema = EMAModel(self.model.parameters(), decay=self.cfg.ema_decay) if self.cfg.ema_decay else None
+        leader = self.parallel.is_leader
+        self.ema = EMAModel(self.model.parameters(), decay=self.cfg.ema_decay) if self.cfg.ema_decay and leader else None
         if resume is not None:
             self._resume(Path(resume))
         # The versions updates published, in order (EMA versions are evaluated, never trained from):
@@ -123,9 +150,10 @@ class FlowGRPOTrainer:
         self.dropped_batches = 0
         self.pipeline = RolloutPipeline(self._request_rollout, max_staleness=self.cfg.max_staleness,
                                         first_index=self.step)
-        self.telemetry = TrainerTelemetry.if_on_a_cluster()
-        self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None)
-        self.evaluator = RunEvaluator(config, client, self.out, append=resume is not None) if self.cfg.eval_every else None
+        self.telemetry = TrainerTelemetry.if_on_a_cluster() if leader else None
+        self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None and leader)
+        self.evaluator = (RunEvaluator(config, client, self.out, append=resume is not None)
+                          if self.cfg.eval_every and leader else None)
         if resume is not None:
             self.metrics.truncate_after(self.step - 1)
             self.step_seconds = [r["step_seconds"] for r in self.metrics.rows]
@@ -146,7 +174,8 @@ class FlowGRPOTrainer:
         while self.step < total:
             row = self.train_step()
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.4f}", ratio=f"{row['ratio_max']:.4f}", v=self.version)
+            if row:  # rank 0 (the others log nothing)
+                bar.set_postfix(reward=f"{row['reward_mean']:.4f}", ratio=f"{row['ratio_max']:.4f}", v=self.version)
             last = self.step == total
             if self.cfg.checkpoint_every and (self.step % self.cfg.checkpoint_every == 0) or last:
                 self.save_checkpoint()
@@ -155,29 +184,41 @@ class FlowGRPOTrainer:
         return self.metrics.rows
 
     def train_step(self) -> dict[str, float]:
+        """One step; returns its metrics row (an empty one on data-parallel ranks other than 0)."""
         step, cfg = self.step, self.cfg
         started = time.perf_counter()
-        # 1. The next rollout, sampled at most max_staleness updates ago.
-        delivered, staleness = self._next_rollout()
-        batch, trajectory = delivered.batch, delivered.batch.trajectory
-        advantages = batch.advantages.float()  # clipped by the app (aggregator.advantage.clip), once
-        # 2. The next rollouts run while this update does (none at staleness 0).
-        self.pipeline.prefill(self.version)
+        delivered, staleness = None, 0
+        if self.parallel.is_leader:
+            # 1. The next rollout, sampled at most max_staleness updates ago.
+            delivered, staleness = self._next_rollout()
+            # 2. The next rollouts run while this update does (none at staleness 0).
+            self.pipeline.prefill(self.version)
         # 3. Update; the stored log-probs are the behaviour policy's, so at staleness > 0 the first ratio is not 1.
+        # Each rank replays its shard of whole groups (one process: the whole batch).
+        shard = self.parallel.scatter(None if delivered is None else delivered.batch, check_onpolicy=staleness == 0)
         train_started = time.perf_counter()
-        stats = self._update(trajectory, advantages, check_onpolicy=staleness == 0)
+        stats = self._update(shard.trajectory, shard.advantages, check_onpolicy=shard.check_onpolicy)
+        stats = UpdateStats.merged(self.parallel.all_gather(stats))
         train_s = time.perf_counter() - train_started
         # 4. Publish the new weights; rollouts sent from now on are pinned to them.
         sync_started = time.perf_counter()
         self.version = self.publish()
         self.policy_versions.append(self.version)
         weight_sync_s = time.perf_counter() - sync_started
-        # 5. Log.
+        # 5. Log (rank 0).
         self.step += 1
+        if delivered is None:
+            self.mismatch.end()  # this rank's share is not logged
+            return {}
+        batch, trajectory = delivered.batch, delivered.batch.trajectory
+        advantages = batch.advantages.float()  # clipped by the app (aggregator.advantage.clip), once
         row = self._row(step, batch, advantages, stats, delivered.sampling_seconds, train_s, weight_sync_s,
                         time.perf_counter() - started)
+        row.update(self.mismatch.end())
         row.update(staleness=staleness, dropped_batches=self.dropped_batches,
                    trainer_idle_s=delivered.trainer_idle_seconds, rollout_wait_s=delivered.rollout_wait_seconds)
+        if self.parallel.world_size > 1:  # every rank's own first-replay check
+            row.update({f"onpolicy_ratio_dev_rank{r}": d for r, d in enumerate(stats.onpolicy_ratio_dev_by_rank)})
         if self.telemetry is not None:
             self.telemetry.record(row, trainer_version=self.version)
         if cfg.image_every and step % cfg.image_every == 0:
@@ -223,6 +264,7 @@ class FlowGRPOTrainer:
         if window == 0:
             raise ValueError("the rollout has no stochastic steps (sde_type 'ode' or noise_level 0): nothing to train")
         generator = torch.Generator().manual_seed(self._request_seed(self.step))
+        self.mismatch.begin(self.policy, trajectory, micro_batch_size=cfg.micro_batch_size)
         optimizer_steps = 0
         self.policy.transformer.train()
         for _epoch in range(cfg.inner_epochs):
@@ -231,12 +273,17 @@ class FlowGRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for i, rows in enumerate(micro_batches):
                 group_start = (i // accum) * accum
-                in_group = min(group_start + accum, len(micro_batches)) - group_start
+                group_end = min(group_start + accum, len(micro_batches))
+                # Every row of an optimizer step weighs the same, 1 / (window x its rows on all ranks; shards are
+                # equal): summed over ranks, the gradients are the one-process gradient of the whole batch.
+                step_rows = sum(len(r) for r in micro_batches[group_start:group_end]) * self.parallel.world_size
                 for k in range(window):
                     loss = self._micro_loss(trajectory, advantages, k, rows, stats,
                                             on_policy=check_onpolicy and optimizer_steps == 0)
-                    (loss / (window * in_group)).backward()
-                if i + 1 == group_start + in_group:
+                    (loss * (len(rows) / (window * step_rows))).backward()
+                if i + 1 == group_end:
+                    if check_onpolicy and optimizer_steps == 0:
+                        self._check_onpolicy(stats)
                     self._optimizer_step(stats)
                     optimizer_steps += 1
         self.policy.transformer.eval()
@@ -247,16 +294,14 @@ class FlowGRPOTrainer:
         cfg = self.cfg
         new = replay_step(self.policy, trajectory, k, rows=rows)
         old_log_prob = trajectory.log_probs[rows, k].to(new.log_prob.device)
-        policy_loss, ratio = clipped_ratio_loss(new.log_prob, old_log_prob, advantages[rows].to(new.log_prob.device), cfg.clip_range)
         if on_policy:
+            self.mismatch.observe(new.log_prob, old_log_prob)
+        # With trainer.mismatch.tis_cap: the trainer's pre-update log-prob, and TIS-weighted advantages.
+        old_log_prob, weighted = self.mismatch.correct(rows, k, old_log_prob, advantages[rows].to(new.log_prob.device))
+        policy_loss, ratio = clipped_ratio_loss(new.log_prob, old_log_prob, weighted, cfg.clip_range)
+        if on_policy:  # checked against the tolerance before the first optimizer step (_check_onpolicy)
             deviation = float((ratio.detach() - 1.0).abs().max())
             stats.onpolicy_ratio_dev = max(stats.onpolicy_ratio_dev, deviation)
-            if deviation > cfg.onpolicy_tolerance:
-                raise OnPolicyMismatchError(
-                    f"step {self.step}: replaying the rollout of version {self.version} before any update gives "
-                    f"|ratio - 1| = {deviation:.3g} > trainer.onpolicy_tolerance {cfg.onpolicy_tolerance}; the replicas' "
-                    "weights, sampling settings or precision differ from the trainer's"
-                )
         kl = torch.zeros((), device=policy_loss.device)
         if cfg.beta > 0:
             # The reference runs without grad; the KL's gradient flows through new.mean only.
@@ -276,11 +321,27 @@ class FlowGRPOTrainer:
         stats.ratios.append(ratio.detach().cpu())
         return loss
 
+    def _check_onpolicy(self, stats: UpdateStats) -> None:
+        """Every rank's first replay must give ratio 1 on its rows; the ranks exchange their deviations, so a
+        mismatch on any rank stops all of them before an optimizer step (nothing changes, nothing is published)."""
+        cfg, world = self.cfg, self.parallel.world_size
+        stats.onpolicy_ratio_dev_by_rank = by_rank = self.parallel.all_gather(stats.onpolicy_ratio_dev)
+        stats.onpolicy_ratio_dev = deviation = max(by_rank)
+        if deviation > cfg.onpolicy_tolerance:
+            ranks = [r for r, d in enumerate(by_rank) if d > cfg.onpolicy_tolerance]
+            where = f" on rank(s) {ranks} of {world}" if world > 1 else ""
+            raise OnPolicyMismatchError(
+                f"step {self.step}: replaying the rollout of version {self.version} before any update gives "
+                f"|ratio - 1| = {deviation:.3g}{where} > trainer.onpolicy_tolerance {cfg.onpolicy_tolerance}; the replicas' "
+                "weights, sampling settings or precision differ from the trainer's"
+            )
+
     def _optimizer_step(self, stats: UpdateStats) -> None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
-        if not torch.isfinite(grad_norm):
-            raise self._diverged(f"gradient norm {float(grad_norm)}")
-        stats.grad_norms.append(float(grad_norm))
+        self.parallel.reduce_gradients(self.model.parameters())
+        grad_norm = scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm))
+        if not math.isfinite(grad_norm):
+            raise self._diverged(f"gradient norm {grad_norm}")
+        stats.grad_norms.append(grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -302,17 +363,27 @@ class FlowGRPOTrainer:
 
     def publish(self) -> int:
         """Publish the trainer's weights as a new version; returns it. Versions are never reused, so a
-        replica that cached a version number always holds those exact weights."""
+        replica that cached a version number always holds those exact weights. Every data-parallel rank
+        calls it (fsdp gathers each tensor's shards); rank 0 publishes and tells the others the number."""
+        state = self.parallel.full_tensors(self.model.publishable_state())
+        return self.parallel.broadcast(self._publish_state(state) if self.parallel.is_leader else None)
+
+    def _publish_state(self, state: dict[str, torch.Tensor]) -> int:
         version = self.store.latest_version() + 1
-        self.store.publish(version, self.model.publishable_state(), kind=self.model.kind, lora=self.model.spec)
+        self.store.publish(version, state, kind=self.model.kind, lora=self.model.spec)
         if self.cfg.prefetch and self.replica_handle is not None:
             self.replica_handle.prefetch_version.remote(version).result()
         return version
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Every rank calls it (fsdp gathers whole tensors, so any run can resume it); rank 0 writes."""
+        trainable = self.parallel.full_tensors(self.model.trainable_state())
+        optimizer = self.parallel.full_optimizer_state(self.optimizer)
+        if not self.parallel.is_leader:
+            return None
         return save_checkpoint(
             self.out / "checkpoint", step=self.step, policy_version=self.version,
-            trainable=self.model.trainable_state(), optimizer=self.optimizer.state_dict(),
+            trainable=trainable, optimizer=optimizer,
             ema=None if self.ema is None else self.ema.state_dict(),
             extra={"app_name": self.config.app_name, "kind": self.model.kind},
         )
@@ -343,8 +414,8 @@ class FlowGRPOTrainer:
             raise RuntimeError("evaluations are off (trainer.eval_every = 0)")
         version, weights = self.version, "policy"
         if self.ema is not None and self.step > 0:
-            with averaged_weights(self.ema, self.model.parameters()):
-                version, weights = self.publish(), "ema"
+            with averaged_weights(self.ema, self.model.parameters()):  # rank 0 only: no collective here
+                version, weights = self._publish_state(self.model.publishable_state()), "ema"
         return self.evaluator.evaluate(self.step, version, weights=weights, train_minutes=sum(self.step_seconds) / 60,
                                        images_sampled=self.images_sampled)
 
@@ -352,7 +423,10 @@ class FlowGRPOTrainer:
         from safetensors.torch import save_file
 
         self.pipeline.close()
-        save_file(self.model.publishable_state(), self.out / f"{self.model.kind}_final.safetensors")
+        final = self.parallel.full_tensors(self.model.publishable_state())
+        if not self.parallel.is_leader:
+            return
+        save_file(final, self.out / f"{self.model.kind}_final.safetensors")
         if self.metrics.rows:
             plot_reward_curve(self.metrics.rows, self.out / "reward_curve.png")
         if self.evaluator is not None:

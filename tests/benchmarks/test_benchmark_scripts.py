@@ -86,3 +86,16 @@ def test_bench_weights(flowgrpo_home):
     lora = report["payloads"]["shapes_lora"]
     assert 0 < lora["bytes"] < report["payloads"]["small_full_transformer"]["bytes"]
     assert {"filesystem", "object_store"} <= set(lora)
+
+
+@pytest.mark.slow
+def test_bench_rewards(flowgrpo_home):
+    report = run_script("bench_rewards.py", "--repeats", "1", "--prompts", "2", "--group-size", "2", "--size", "32",
+                        "--steps", "4", "--reward-seconds", "0.5", "--server-calls", "4", "--server-call-seconds", "0.01")
+    assert_finite(report)
+    latency = report["latency"]["request_seconds"]
+    assert set(latency) == {"streaming", "after_merge", "sampling_only"}
+    # Scoring is never free: both scored modes wait for at least one 0.5 s reward call beyond sampling
+    # (half of it asserted: sampling these tiny requests varies by far less than 0.25 s).
+    assert all(latency[m]["median"] >= latency["sampling_only"]["median"] + 0.25 for m in ("streaming", "after_merge"))
+    assert all(v["images_per_second"]["median"] > 0 for k, v in report["reward_server"].items() if k.startswith("max_"))

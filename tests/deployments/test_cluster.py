@@ -52,7 +52,7 @@ def cluster(flowgrpo_home):
 
     os.environ.update(env)
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     handle = serve.run(build_app(AppArgs(overrides=OVERRIDES)), name="flowgrpo", route_prefix="/")
     yield handle

@@ -21,6 +21,24 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "serve_app" / "monitoring" / "
 APP = "flowgrpo-metrics"
 
 
+def unscorable(images, prompts):
+    """A reward on its own RewardServer that fails on prompts saying "unscorable" (weight 0: the
+    training steps see brightness only): its retries, failures and dropped groups reach the metrics. It
+    scores what its RewardServer's runtime_env says, which this test process does not have."""
+    import os
+
+    # A RewardServer fuses calls: this one may hold several prompts.
+    if any("unscorable" in p for p in prompts):
+        raise ConnectionError("the scorer refused the prompt")
+    return torch.full((len(prompts),), float(os.environ["FLOWGRPO_TEST_REWARD_VALUE"]))
+
+
+# Imported by the reward's replica through the driver's working directory, which Ray puts on its path.
+REWARDS = ("reward.components=[{name: brightness, args: {target: 0.8}}, {name: 'tests.deployments.test_metrics:unscorable',"
+           " weight: 0.0, placement: deployment, groupwise: false, retries: 1, retry_backoff_s: 0.0, on_error: drop_group,"
+           " server: {runtime_env: {env_vars: {FLOWGRPO_TEST_REWARD_VALUE: '0.25'}}}}]")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,12 +54,12 @@ def cluster(flowgrpo_home, tmp_path_factory):
 
     port = _free_port()
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", _metrics_export_port=port,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"FLOWGRPO_HOME": flowgrpo_home}})
     serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
     overrides = [f"app_name={APP}", f"replica.weights_dir={tmp_path_factory.mktemp('weights')}",
-                 "sampling.num_steps=4", "sampling.guidance_scale=1.0", "sampling.sde_window_size=null"]
+                 "sampling.num_steps=4", "sampling.guidance_scale=1.0", "sampling.sde_window_size=null", REWARDS]
     serve.run(build_app(AppArgs(overrides=overrides)), name=APP, route_prefix=None)
     yield port, overrides
     serve.shutdown()
@@ -59,8 +77,8 @@ def _exported(port: int) -> str:
 
 
 def _drive_every_series(overrides: list[str], out: Path) -> None:
-    """Rollouts, three training steps with one batch dropped, and a request at a version whose
-    adapter binds to no module (a weight mismatch on a replica)."""
+    """Rollouts, three training steps with one batch dropped, a group a reward fails on, and a request
+    at a version whose adapter binds to no module (a weight mismatch on a replica)."""
     from serve_app.client import RolloutClient
     from serve_app.errors import WeightMismatchError
     from serve_app.trainer.config import load_trainer_config
@@ -77,6 +95,8 @@ def _drive_every_series(overrides: list[str], out: Path) -> None:
     rows = [trainer.train_step() for _ in range(3)]
     assert rows[-1]["dropped_batches"] >= 1
     trainer.finish()
+    batch = RolloutClient(APP).rollout(["a cat", "an unscorable cat"], 2)
+    assert list(batch.dropped_groups) == [1] and batch.rewards["unscorable"].tolist() == [0.25, 0.25]
     store = open_weight_store(config)
     version = store.latest_version() + 1
     store.publish(version, {"nothing.lora_A.weight": torch.zeros(2, 2)}, kind="lora",

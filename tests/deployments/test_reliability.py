@@ -48,7 +48,7 @@ def cluster(flowgrpo_home):
     from ray import serve
 
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"FLOWGRPO_HOME": flowgrpo_home}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     _deploy(APP, OVERRIDES)

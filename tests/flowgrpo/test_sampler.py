@@ -195,7 +195,7 @@ def test_shared_group_noise_runs_the_steps_before_the_window_once_per_prompt(pol
 
 def test_shared_group_noise_replays_with_ratio_one_and_depends_on_seeds_only(policy, text, tiny_qwen_dir):
     from serve_app.config import IngressConfig
-    from serve_app.engine import RolloutEngine
+    from serve_app.engine import DiffusersEngine
     from serve_app.planner import RolloutPlanner
     from serve_app.schemas import RolloutRequest
 
@@ -207,6 +207,6 @@ def test_shared_group_noise_replays_with_ratio_one_and_depends_on_seeds_only(pol
     # every sample's trajectory is the in-process one.
     planner = RolloutPlanner(text, IngressConfig(chunk_size=3), SHARED, policy.geometry, max_work=2**22)
     plan = planner.plan(RolloutRequest(prompts=["a cat", "a dog"], group_size=4, seed=SHARED.seed))
-    chunks, _ = RolloutEngine(policy).generate(plan.chunks)
+    chunks, _ = DiffusersEngine(policy).generate(plan.chunks)
     served = torch.cat([c.latents for c in chunks])
     torch.testing.assert_close(served, reference.latents, atol=1e-5, rtol=0)

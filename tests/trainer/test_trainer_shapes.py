@@ -26,6 +26,7 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
         "trainer.evaluation.samples_per_prompt=1", "trainer.evaluation.grid_samples=1", "trainer.image_every=0",
         "trainer.evaluation.args.splits=[held_out,train]",
         "trainer.checkpoint_every=0", "sampling.num_steps=6", "sampling.sde_window_range=[0,3]",
+        "trainer.max_staleness=0",  # the demo pipelines; this test checks every step is exactly on-policy
     ])
     assert len(config.trainer.prompts) == 76  # the train split, not the held-out prompts evaluated below
     trainer = FlowGRPOTrainer(config, client, tmp_path / "out", policy=load_trainer_policy(config), progress=False)

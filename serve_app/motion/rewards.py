@@ -1,0 +1,40 @@
+"""Moving-shapes rewards: each prompt parsed with the motion grammar, each video checked.
+
+Video rewards (serve_app.rewards.video: ``(videos uint8 [B, F, 3, H, W], prompts) -> float32 [B]``)
+named by import path in a reward config (configs/reward/motion.yaml):
+``serve_app.motion.rewards:motion_strict`` (1.0 when every frame shows just the asked object and it
+moves the asked way, else 0.0) and ``serve_app.motion.rewards:motion_partial`` (``MotionVerdict.partial``:
+mean of the colour, shape and direction sub-scores). A prompt outside the grammar raises ValueError:
+it is a configuration error, not a low score.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..rewards.registry import RewardFn
+from ..rewards.video import check_video_batch
+from .checker import MotionVerdict, check_video
+from .scene import parse_prompt
+
+
+def _verdict_reward(score: Callable[[MotionVerdict], float]) -> RewardFn:
+    def reward(videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_video_batch(videos, prompts)
+        specs = [parse_prompt(p) for p in prompts]  # all parsed first: fail before any work
+        arrays = videos.detach().cpu().numpy()
+        return torch.tensor([score(check_video(a, s)) for a, s in zip(arrays, specs)], dtype=torch.float32)
+
+    return reward
+
+
+def motion_strict() -> RewardFn:
+    """1.0 if every frame shows exactly the asked object and it moves in the asked direction, else 0.0."""
+    return _verdict_reward(lambda v: float(v.strict))
+
+
+def motion_partial() -> RewardFn:
+    """Mean of colour, shape and direction sub-scores (see ``checker.MotionVerdict``): 0, 1/3, 2/3 or 1."""
+    return _verdict_reward(lambda v: v.partial)

@@ -1,0 +1,194 @@
+"""Flux.1: a CLIP text encoder (pooled output only) + T5, a FluxTransformer2DModel over 2x2-packed
+latents with rotary position ids, a 2-D VAE.
+
+Mirrors the stock ``FluxPipeline.__call__`` (diffusers 0.42):
+
+* CLIP sees the prompt padded to ``tokenizer.model_max_length`` and contributes its pooled output;
+  T5 sees it padded to ``max_sequence_length`` (512, capped here by the T5 tokenizer's own limit) and
+  every position conditions the transformer (no mask). Text position ids are zeros.
+* Latents [B, (H/2f)(W/2f), 4C] are packed 2x2 patches; image position ids are (0, row, col).
+* The schedule is ``linspace(1, 1/N, N)`` shifted by mu = calculate_shift(image tokens) (Flux's
+  dynamic shift), and the transformer gets ``timestep / 1000`` of the scheduler's timesteps.
+* Guidance-distilled transformers (``guidance_embeds``) take the pipeline's ``guidance_scale`` as an
+  input: :attr:`FluxPolicy.distilled_guidance` here, a property of the policy, not of a request.
+  SamplingParams.guidance_scale is true CFG (the stock ``true_cfg_scale`` with a negative prompt),
+  combined without renormalisation, as the stock pipeline does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from transformers import AutoTokenizer
+
+from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens
+
+CLIP_SLOT = "tokenizer"
+T5_SLOT = "tokenizer_2"
+TOKENIZER_SLOTS = (CLIP_SLOT, T5_SLOT)
+DEFAULT_CLIP_LENGTH = 77  # the stock pipeline's fallback without a tokenizer
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `max_sequence_length` (and its upper limit)
+DEFAULT_DISTILLED_GUIDANCE = 3.5  # the stock `guidance_scale`
+
+
+def _lengths(tokenizers: dict[str, Any]) -> tuple[int, int]:
+    clip = tokenizers.get(CLIP_SLOT)
+    t5 = tokenizers.get(T5_SLOT)
+    clip_length = int(clip.model_max_length) if clip is not None else DEFAULT_CLIP_LENGTH
+    t5_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, int(t5.model_max_length)) if t5 is not None else DEFAULT_MAX_SEQUENCE_LENGTH
+    return clip_length, t5_length
+
+
+class FluxTextProcessor(TextProcessor):
+    """Two tokenizations per prompt, padded and truncated as the stock pipeline feeds its encoders."""
+
+    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        missing = [slot for slot in TOKENIZER_SLOTS if tokenizers.get(slot) is None]
+        if missing:
+            raise ValueError(f"Flux needs its CLIP and T5 tokenizers; missing: {', '.join(missing)}")
+        super().__init__(tokenizers)
+        self.clip_length, self.max_sequence_length = _lengths(tokenizers)
+
+    def format(self, prompt: str) -> str:
+        return prompt  # Flux has no prompt template
+
+    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
+        texts = [self.format(p) for p in prompts]
+        ids = {
+            slot: self._tokenizer(slot)(
+                texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+            ).input_ids
+            for slot, length in ((CLIP_SLOT, self.clip_length), (T5_SLOT, self.max_sequence_length))
+        }
+        return [
+            PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
+            for row, p in enumerate(prompts)
+        ]
+
+
+class FluxPolicy(DiffusionPolicy):
+    family = "flux"
+    pipeline_class = FluxPipeline
+    pipeline_class_names = ("FluxPipeline",)
+    cfg_renormalize = False
+
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(pipeline, device=device, dtype=dtype)
+        self.distilled_guidance = DEFAULT_DISTILLED_GUIDANCE
+
+    @staticmethod
+    def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
+        return [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.vae]
+
+    def _tokenizers(self) -> dict[str, Any]:
+        return {slot: getattr(self.pipeline, slot, None) for slot in TOKENIZER_SLOTS}
+
+    def _make_text_processor(self) -> FluxTextProcessor:
+        return FluxTextProcessor(self._tokenizers())
+
+    @classmethod
+    def load_text_processor(cls, local_dir: str | Path) -> FluxTextProcessor:
+        return FluxTextProcessor({
+            slot: AutoTokenizer.from_pretrained(str(Path(local_dir) / slot), local_files_only=True)
+            for slot in TOKENIZER_SLOTS
+        })
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5 tokens per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
+        return _lengths(self._tokenizers())[1]
+
+    # -- geometry and schedule -------------------------------------------------------------
+
+    @property
+    def _vae_factor(self) -> int:
+        return int(self.pipeline.vae_scale_factor)
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self._vae_factor * 2  # 2x2 latent packing
+
+    @property
+    def max_tokens_per_axis(self) -> int:
+        # Rotary embeddings are computed from the position ids on every call: no table bounds the size.
+        return MAX_IMAGE_SIDE // self.spatial_multiple
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
+        return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+        config = scheduler.config
+        mu = calculate_shift(
+            self.latent_shape(height, width)[0],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1.0 / num_steps, num_steps)
+        if sigmas is None:
+            scheduler.set_timesteps(num_steps, mu=mu, device="cpu")
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, mu=mu, device="cpu")
+
+    # -- model calls -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        pipe = self.pipeline
+        missing = [slot for slot in TOKENIZER_SLOTS if any(slot not in p.token_ids for p in prompts)]
+        if missing or not prompts:
+            raise ValueError(
+                f"Flux needs token ids for {', '.join(TOKENIZER_SLOTS)} (use the family's TextProcessor); "
+                f"missing: {', '.join(missing) or 'prompts'}"
+            )
+        clip_ids = torch.stack([p.token_ids[CLIP_SLOT] for p in prompts]).to(self.device)
+        pooled = pipe.text_encoder(clip_ids, output_hidden_states=False).pooler_output.to(pipe.text_encoder.dtype)
+        t5_ids = torch.stack([p.token_ids[T5_SLOT] for p in prompts]).to(self.device)
+        embeds = pipe.text_encoder_2(t5_ids, output_hidden_states=False)[0].to(pipe.text_encoder_2.dtype)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        return PromptEmbeds(embeds.to(self.dtype), mask, pooled.to(self.dtype))
+
+    def predict(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
+    ) -> torch.Tensor:
+        if cond.pooled is None:
+            raise ValueError("Flux needs pooled CLIP embeddings (PromptEmbeds.pooled)")
+        pipe = self.pipeline
+        batch = latents.shape[0]
+        side = self.spatial_multiple
+        img_ids = pipe._prepare_latent_image_ids(batch, height // side, width // side, latents.device, self.dtype)
+        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=latents.device, dtype=self.dtype)
+        # The stock loop passes the scheduler's timestep (sigma * 1000, float32) in the latents' dtype,
+        # divided by 1000; the same rounding keeps noise 0 equal to it.
+        timestep = (sigma.to(device=latents.device, dtype=torch.float32)
+                    * pipe.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
+        guidance = None
+        if pipe.transformer.config.guidance_embeds:
+            guidance = torch.full((batch,), self.distilled_guidance, device=latents.device, dtype=torch.float32)
+        return pipe.transformer(
+            hidden_states=latents.to(self.dtype),
+            timestep=timestep,
+            guidance=guidance,
+            pooled_projections=cond.pooled.to(self.dtype),
+            encoder_hidden_states=cond.embeds.to(self.dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        pipe = self.pipeline
+        vae = pipe.vae
+        unpacked = pipe._unpack_latents(latents, height, width, self._vae_factor).to(vae.dtype)
+        images = vae.decode(unpacked / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+        return pipe.image_processor.postprocess(images, output_type="pt")

@@ -1,0 +1,419 @@
+"""Rewards scored by a remote service over HTTP: a JSON scoring API and an OpenAI-compatible VLM judge.
+
+Both send images as base64 PNG inside JSON and read JSON back with ``json.loads`` only (nothing is
+ever unpickled from the network). Both share the transport rules of :class:`JsonPoster`:
+
+* ``timeout_s`` bounds each connect and each read (urllib's socket timeout), per attempt;
+* up to ``max_attempts`` attempts in all; only connection errors, timeouts, HTTP 429 and 5xx are
+  retried, after ``backoff_s * 2**(k-1)`` seconds (capped at ``max_backoff_s``, half of it
+  jittered; a numeric ``Retry-After`` stretches the wait up to the cap). Other statuses, redirects
+  (never followed) and malformed replies fail at once: repeating them would give the same answer;
+* at most ``max_concurrency`` requests in flight per process and endpoint URL, whatever the number
+  of rewards or threads using it (the first reward built for an endpoint sets the limit; a later
+  one asking for another limit is an error);
+* an API key is read from the environment variable named by ``api_key_env`` and sent as
+  ``Authorization: Bearer <key>``; keys never appear in configs.
+
+A failure after the last attempt raises :class:`RemoteRewardError` naming the endpoint, the status or
+cause and the number of attempts; a CompositeReward turns it into a RewardError naming the reward
+and the prompt, so an error is never scored as a number.
+
+``remote_score`` schema (one POST per batch, or per ``batch_size`` images)::
+
+    request:  {"images": ["<base64 PNG>", ...], "prompts": ["<prompt of image i>", ...]}
+    response: {"scores": [<finite number>, ...]}      # one per image, same order; other keys ignored
+
+``vlm_judge``: one ``POST {base_url}/chat/completions`` per image, a user message holding the
+question (``question.format(prompt=...)``) and the image as a ``data:image/png;base64,...`` URL;
+the reply's ``choices[0].message.content`` is parsed by :func:`parse_score`.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import math
+import os
+import random
+import re
+import ssl
+import string
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .registry import RewardFn, check_image_batch, register_reward
+
+__all__ = ["JsonPoster", "RemoteRewardError", "encode_png_base64", "parse_score", "remote_score", "vlm_judge"]
+
+_MAX_RESPONSE_BYTES = 8 << 20  # a reply of scores is a few kB; refuse to buffer anything huge
+
+DEFAULT_QUESTION = (
+    'Does this image show "{prompt}"? Rate how well it matches from 0 (not at all) to 10 (perfectly). '
+    "Reply in the form 'Score: N'."
+)
+
+
+class RemoteRewardError(RuntimeError):
+    """A remote scorer failed: ``endpoint``, ``cause`` (HTTP status or error) and the ``attempts`` made
+    (None when the request went through but its reply was unusable)."""
+
+    def __init__(self, endpoint: str, cause: str, attempts: int | None) -> None:
+        self.endpoint = endpoint
+        self.cause = cause
+        self.attempts = attempts
+        if attempts is None:
+            message = f"POST {endpoint}: unusable reply: {cause}"
+        else:
+            message = f"POST {endpoint} failed after {attempts} attempt{'' if attempts == 1 else 's'}: {cause}"
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Survives Ray's pickling with its fields (the default would pass only the message).
+        return (type(self), (self.endpoint, self.cause, self.attempts))
+
+
+class _Retryable(Exception):
+    def __init__(self, cause: str, retry_after_s: float | None = None) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.retry_after_s = retry_after_s
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    # urllib would turn a redirected POST into a bodyless GET; a scorer that redirects is misconfigured.
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+_LIMITS: dict[str, tuple[int, threading.BoundedSemaphore]] = {}
+_LIMITS_LOCK = threading.Lock()
+
+
+def _endpoint_semaphore(url: str, limit: int) -> threading.BoundedSemaphore:
+    with _LIMITS_LOCK:
+        if url not in _LIMITS:
+            _LIMITS[url] = (limit, threading.BoundedSemaphore(limit))
+        existing, semaphore = _LIMITS[url]
+    if existing != limit:
+        raise ValueError(
+            f"max_concurrency={limit} for {url}, but this process already limits that endpoint to {existing}; "
+            "the limit is shared per endpoint, so every reward using it must ask for the same one"
+        )
+    return semaphore
+
+
+def _api_key(api_key_env: str | None) -> str | None:
+    if api_key_env is None:
+        return None
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise ValueError(f"api_key_env names the environment variable {api_key_env!r}, which is not set (or empty)")
+    return key
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: fall back to our own backoff
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
+
+
+class JsonPoster:
+    """POSTs JSON to one endpoint with a timeout, retries with backoff and a per-endpoint concurrency limit."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        max_attempts: int,
+        backoff_s: float,
+        max_backoff_s: float,
+        max_concurrency: int,
+        api_key_env: str | None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint must be an http:// or https:// URL, got {url!r}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 (1 = no retry), got {max_attempts}")
+        if not (0 <= backoff_s <= max_backoff_s and math.isfinite(max_backoff_s)):
+            raise ValueError(f"need 0 <= backoff_s <= max_backoff_s (finite), got {backoff_s} and {max_backoff_s}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.url = url
+        self.timeout_s = float(timeout_s)
+        self.max_attempts = max_attempts
+        self.backoff_s = float(backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self.max_concurrency = max_concurrency
+        self._semaphore = _endpoint_semaphore(url, max_concurrency)
+        key = _api_key(api_key_env)
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if key is not None:
+            self._headers["Authorization"] = f"Bearer {key}"
+
+    def post(self, payload: Any) -> Any:
+        """The decoded JSON reply to ``payload``.
+
+        Raises:
+            RemoteRewardError: no usable reply after the allowed attempts (or a non-retryable failure).
+        """
+        body = json.dumps(payload).encode()
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                with self._semaphore:
+                    return self._post_once(body, attempt)
+            except _Retryable as e:
+                if attempt == self.max_attempts:
+                    raise RemoteRewardError(self.url, e.cause, attempt) from None
+                time.sleep(self._delay(attempt, e.retry_after_s))
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _delay(self, attempt: int, retry_after_s: float | None) -> float:
+        base = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        # Half fixed, half random: clients that failed together do not retry in lockstep.
+        delay = base / 2 + random.uniform(0, base / 2)
+        if retry_after_s is not None:
+            delay = max(delay, min(retry_after_s, self.max_backoff_s))
+        return delay
+
+    def _post_once(self, body: bytes, attempt: int) -> Any:
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        try:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
+                raw = response.read(_MAX_RESPONSE_BYTES + 1)
+        except urllib.error.HTTPError as e:
+            detail = _error_body(e)
+            cause = f"HTTP {e.code}{': ' + detail if detail else ''}"
+            if e.code == 429 or 500 <= e.code < 600:
+                raise _Retryable(cause, _retry_after(e.headers.get("Retry-After"))) from None
+            if 300 <= e.code < 400:
+                cause += " (redirects are not followed; use the final URL)"
+            raise RemoteRewardError(self.url, cause + " (not retried)", attempt) from None
+        except OSError as e:  # urllib.error.URLError is an OSError
+            # URLError wraps refused/unreachable connections; a bare TimeoutError/OSError is a read
+            # that timed out or a connection dropped mid-reply.
+            reason = e.reason if isinstance(e, urllib.error.URLError) else e
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                raise RemoteRewardError(self.url, f"{reason} (not retried)", attempt) from None
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                raise _Retryable(f"timed out after {self.timeout_s:g} s") from None
+            raise _Retryable(f"{type(reason).__name__}: {reason}") from None
+        except http.client.HTTPException as e:  # a reply that is not (complete) HTTP
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        if len(raw) > _MAX_RESPONSE_BYTES:
+            raise RemoteRewardError(self.url, f"reply larger than {_MAX_RESPONSE_BYTES} bytes", None)
+        try:
+            return json.loads(raw, parse_constant=_reject_constant)
+        except ValueError as e:
+            raise RemoteRewardError(self.url, f"reply is not JSON ({e}): {_snippet(raw)}", None) from None
+
+
+def _error_body(error: urllib.error.HTTPError) -> str:
+    try:
+        return _snippet(error.read(2048)) if error.fp is not None else ""
+    except OSError:  # the body itself timed out or was cut: the status says enough
+        return ""
+
+
+def _snippet(raw: bytes, limit: int = 200) -> str:
+    text = raw.decode("utf-8", errors="replace").strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def encode_png_base64(images: torch.Tensor) -> list[str]:
+    """Base64 (standard alphabet, no line breaks) of each uint8 ``[B, 3, H, W]`` image as a PNG."""
+    arrays = images.detach().cpu().permute(0, 2, 3, 1).numpy()
+    encoded = []
+    for arr in arrays:
+        buffer = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(arr)).save(buffer, format="PNG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    return encoded
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parallel(fn: Any, items: list[Any], workers: int) -> list[Any]:
+    if len(items) == 1 or workers == 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+@register_reward("remote_score")
+def remote_score(
+    url: str,
+    batch_size: int | None = None,
+    timeout_s: float = 30.0,
+    max_attempts: int = 3,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 8.0,
+    max_concurrency: int = 4,
+    api_key_env: str | None = None,
+) -> RewardFn:
+    """reward = the ``scores`` a JSON scoring service returns for ``{"images", "prompts"}`` (module doc).
+
+    ``batch_size``: images per request (None: the whole batch in one request); the requests of a
+    batch run concurrently within ``max_concurrency``. Transport arguments: see the module doc.
+    """
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+    poster = JsonPoster(
+        url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
+        max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, api_key_env=api_key_env,
+    )
+
+    def score_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
+        images, prompts = chunk
+        reply = poster.post({"images": images, "prompts": prompts})
+        scores = reply.get("scores") if isinstance(reply, dict) else None
+        if not isinstance(scores, list) or len(scores) != len(images) or not all(_is_number(s) for s in scores):
+            raise RemoteRewardError(
+                url, f'reply must be {{"scores": [{len(images)} numbers]}}, got {_snippet(json.dumps(reply).encode())}', None
+            )
+        return [float(s) for s in scores]
+
+    def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_image_batch(images, prompts)
+        encoded = encode_png_base64(images)
+        step = batch_size or len(encoded)
+        chunks = [(encoded[i : i + step], list(prompts[i : i + step])) for i in range(0, len(encoded), step)]
+        scores = [s for part in _parallel(score_chunk, chunks, max_concurrency) for s in part]
+        return torch.tensor(scores, dtype=torch.float32)
+
+    return reward
+
+
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_SCORE_LABEL = re.compile(rf"score\W{{0,3}}?({_NUMBER})", re.IGNORECASE)
+_BARE_NUMBER = re.compile(rf"\s*({_NUMBER})\s*(?:/\s*{_NUMBER}\s*)?\.?\s*")
+
+
+def parse_score(reply: str, *, min_score: float, max_score: float) -> float:
+    """The score in a judge's reply, by the first rule that applies:
+
+    1. the reply is a JSON object with a numeric ``"score"``;
+    2. the first number after the word "score" (any case), e.g. "Score: 7", "score = 7/10";
+    3. the whole reply is one number, optionally "/ N" (e.g. "7", "7/10", "8.5.").
+
+    Any other reply, or a number outside ``[min_score, max_score]``, raises ValueError quoting the
+    reply: the judge is never assumed to have meant a default score.
+    """
+    score: float | None = None
+    try:
+        parsed = json.loads(reply, parse_constant=_reject_constant)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and _is_number(parsed.get("score")):
+        score = float(parsed["score"])
+    elif (label := _SCORE_LABEL.search(reply)) is not None:
+        score = float(label.group(1))
+    elif (bare := _BARE_NUMBER.fullmatch(reply)) is not None:
+        score = float(bare.group(1))
+    if score is None:
+        raise ValueError(f"no score found in the judge's reply {_snippet(reply.encode())!r}")
+    if not (math.isfinite(score) and min_score <= score <= max_score):
+        raise ValueError(f"score {score:g} outside [{min_score:g}, {max_score:g}] in the judge's reply {_snippet(reply.encode())!r}")
+    return score
+
+
+def _message_text(reply: Any) -> str:
+    try:
+        content = reply["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"not a chat completion (no choices[0].message.content): {_snippet(json.dumps(reply).encode())}") from None
+    if isinstance(content, list):  # some servers answer in content parts
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str):
+        raise ValueError(f"choices[0].message.content is a {type(content).__name__}, not text")
+    return content
+
+
+def _check_question(question: str) -> None:
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(question) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"question is not a valid format string ({e}): {question!r}") from e
+    if fields != {"prompt"}:
+        raise ValueError(f"question must use the field {{prompt}} and no other, got fields {sorted(fields)} in {question!r}")
+
+
+@register_reward("vlm_judge")
+def vlm_judge(
+    base_url: str,
+    model: str,
+    question: str = DEFAULT_QUESTION,
+    min_score: float = 0.0,
+    max_score: float = 10.0,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    timeout_s: float = 60.0,
+    max_attempts: int = 3,
+    backoff_s: float = 0.5,
+    max_backoff_s: float = 8.0,
+    max_concurrency: int = 4,
+    api_key_env: str | None = None,
+) -> RewardFn:
+    """reward = the score an OpenAI-compatible vision-language model gives each image (module doc).
+
+    ``base_url``: the API root, e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is
+    appended); ``model``: the served model name; ``question``: a template with ``{prompt}``;
+    the reply is parsed by :func:`parse_score` within ``[min_score, max_score]``. Images of a batch
+    are judged concurrently within ``max_concurrency``. Transport arguments: see the module doc.
+    """
+    _check_question(question)
+    if not min_score < max_score:
+        raise ValueError(f"need min_score < max_score, got {min_score} and {max_score}")
+    url = base_url.rstrip("/") + "/chat/completions"
+    poster = JsonPoster(
+        url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
+        max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, api_key_env=api_key_env,
+    )
+
+    def judge(item: tuple[str, str]) -> float:
+        image_b64, prompt = item
+        reply = poster.post({
+            "model": model,
+            "messages": [{
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": question.format(prompt=prompt)},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image_b64}"}},
+                ],
+            }],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+        })
+        try:
+            return parse_score(_message_text(reply), min_score=min_score, max_score=max_score)
+        except ValueError as e:
+            raise RemoteRewardError(url, str(e), None) from None
+
+    def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_image_batch(images, prompts)
+        items = list(zip(encode_png_base64(images), prompts))
+        return torch.tensor(_parallel(judge, items, max_concurrency), dtype=torch.float32)
+
+    return reward

@@ -1,0 +1,169 @@
+"""The engine contract's invariants (serve_app/engine_contract.py), checked for every engine x family on
+CPU: seed-only noise, noise 0 == the stock pipeline, replay ratio 1, version pinning. A future engine
+is added to conftest.ENGINES and must pass this file unchanged; FLAGGED_ENGINES must fail it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from serve_app.config import IngressConfig
+from serve_app.engine_contract import REPLAY_TOLERANCE, EmbeddedChunk, SamplingEngine, replay_verdict
+from serve_app.errors import PolicyVersionError
+from serve_app.flowgrpo.sampler import encode_conditioning, initial_latents
+from serve_app.flowgrpo.seeding import sample_generators
+from serve_app.planner import RolloutPlanner
+from serve_app.policies.base import images_to_uint8
+from serve_app.schemas import RolloutRequest, SamplingParams
+from serve_app.weights import BASE_HASH, WeightStore
+
+from tests.conformance.conftest import ENGINES, FAMILIES, FLAGGED_ENGINES, STOCK_CALLS
+
+# True CFG on, a 2-step SDE window that always starts at step 0 (so chunks of different requests fuse).
+SAMPLING = SamplingParams(height=32, width=32, num_steps=3, guidance_scale=4.0, noise_level=1.0,
+                          sde_window_size=2, sde_window_range=(0, 1))
+PROMPT = "a red circle on a blue square"
+PAIRS = [(engine, family) for engine in ENGINES for family in FAMILIES]
+
+
+def _planner(engine_policy, sampling: SamplingParams, store=None) -> RolloutPlanner:
+    return RolloutPlanner(engine_policy.text_processor(), IngressConfig(chunk_size=2), sampling,
+                          engine_policy.geometry, max_work=2**22, store=store)
+
+
+def _chunks(planner: RolloutPlanner, prompts: list[str], seed: int, version: int | None = 0):
+    return planner.plan(RolloutRequest(prompts=prompts, group_size=2, seed=seed, policy_version=version)).chunks
+
+
+def _one(engine, chunk):
+    (result,), _ = engine.generate([chunk])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
+def test_a_samples_noise_depends_on_its_seed_only(conformance_policies, engine_name, family):
+    policy = conformance_policies(family)
+    engine = ENGINES[engine_name](policy)
+    assert isinstance(engine, SamplingEngine) and engine.family == family and engine.geometry == policy.geometry
+    planner = _planner(policy, SAMPLING)
+    cat, dog = _chunks(planner, ["a cat", "a dog"], seed=5)
+    (house,) = _chunks(planner, ["a red house"], seed=9)
+    alone = _one(engine, dog)
+    fused, stats = engine.generate([house, cat, dog])
+    assert len(stats) == 1 and stats[0].images == 6  # one forward batch of three requests' samples
+    within = fused[2]
+    assert torch.equal(within.seeds, alone.seeds)
+    # Another batch composition changes fp32 matmul blocking: a few ulp, never the noise.
+    torch.testing.assert_close(within.latents, alone.latents, atol=1e-5, rtol=0)
+    torch.testing.assert_close(within.log_probs, alone.log_probs, atol=1e-6, rtol=0)
+    assert int((within.images.int() - alone.images.int()).abs().max()) <= 1
+    # ... and the seed does matter: two samples of one prompt differ by their seeds alone.
+    assert float((alone.latents[0] - alone.latents[1]).abs().max()) > 1e-2
+    # The embeddings entry samples exactly what the token-ids entry does.
+    conditioning = encode_conditioning(policy, dog.prompts, dog.prompt_slot, dog.negative_prompt, dog.sampling)
+    embedded = engine.generate_embedded(EmbeddedChunk(
+        conditioning, dog.sampling, dog.seeds, dog.window_start, dog.policy_version, dog.prompt_index, dog.sample_index,
+    ))
+    torch.testing.assert_close(embedded.latents, alone.latents, atol=1e-6, rtol=0)
+    torch.testing.assert_close(embedded.log_probs, alone.log_probs, atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def noise_zero_case(conformance_policies):
+    """(family, guidance) -> (params, a one-sample chunk at noise 0, the stock pipeline's float images from the
+    initial latents the contract derives from its seed), computed once per module."""
+    cases = {}
+
+    def get(family: str, guidance_scale: float):
+        if (family, guidance_scale) not in cases:
+            policy = conformance_policies(family)
+            params = SAMPLING.model_copy(update={"noise_level": 0.0, "guidance_scale": guidance_scale,
+                                                 "sde_window_size": None})
+            planner = _planner(policy, params)
+            (chunk,) = planner.plan(RolloutRequest(prompts=[PROMPT], group_size=1, seed=11, policy_version=0)).chunks
+            latents = initial_latents(policy, params, sample_generators(chunk.seeds))
+            stock = STOCK_CALLS[family](policy, PROMPT, params, latents)
+            assert stock.shape == (1, 3, 32, 32) and float(stock.std()) > 1e-3  # not a blank image
+            cases[family, guidance_scale] = (params, chunk, latents, stock)
+        return cases[family, guidance_scale]
+
+    return get
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
+def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case, engine_name, family, guidance_scale):
+    params, chunk, _, stock = noise_zero_case(family, guidance_scale)
+    trajectory = _one(ENGINES[engine_name](conformance_policies(family)), chunk)
+    assert torch.equal(trajectory.log_probs, torch.zeros(1, params.num_steps - 1))
+    # uint8 images: equal, except where the stock value sits on a rounding boundary (a 1e-5 difference
+    # may round either way there).
+    scaled = stock.float().clamp(0, 1) * 255.0
+    differs = trajectory.images != images_to_uint8(stock)
+    on_boundary = ((scaled - scaled.floor()) - 0.5).abs() < 1e-3
+    assert not bool((differs & ~on_boundary).any()), f"{int(differs.sum())} pixels differ from the stock pipeline"
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_family_sampler_at_noise_zero_is_the_stock_pipeline_in_float(conformance_policies, noise_zero_case,
+                                                                          ode_sample, family, guidance_scale):
+    """What the diffusers engine runs, before the uint8 cast: equal to the stock `__call__` to 1e-5."""
+    policy = conformance_policies(family)
+    params, chunk, latents, stock = noise_zero_case(family, guidance_scale)
+    image, log_probs = ode_sample(policy, PROMPT, params, latents, sample_generators(chunk.seeds))
+    torch.testing.assert_close(image, stock, atol=1e-5, rtol=0)
+    assert torch.equal(log_probs, torch.zeros(1, params.num_steps - 1))
+
+
+@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
+def test_the_trainers_replay_gives_ratio_one(conformance_policies, engine_name, family):
+    policy = conformance_policies(family)
+    planner = _planner(policy, SAMPLING)
+    fused, _ = ENGINES[engine_name](policy).generate(_chunks(planner, ["a cat", "a dog"], seed=3))
+    for trajectory in fused:
+        verdict = replay_verdict(policy, trajectory)
+        assert verdict.ok, verdict.message
+        assert verdict.summary.count == 2 * 2 and verdict.summary.max <= REPLAY_TOLERANCE
+
+
+@pytest.mark.parametrize("flagged", list(FLAGGED_ENGINES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_suite_flags_an_engine_whose_replay_differs(conformance_policies, flagged, family):
+    policy = conformance_policies(family)
+    (chunk,) = _chunks(_planner(policy, SAMPLING), ["a cat"], seed=3)
+    real = replay_verdict(policy, _one(ENGINES["diffusers"](policy), chunk))
+    fake = replay_verdict(policy, _one(FLAGGED_ENGINES[flagged](policy), chunk))
+    assert real.ok, real.message
+    assert not fake.ok and "does NOT reproduce" in fake.message and "tolerance 1e-06" in fake.message
+    # Flagged by a wide margin, not by noise at the tolerance.
+    assert fake.summary.max > 10 * REPLAY_TOLERANCE and fake.summary.max > 10 * real.summary.max
+
+
+@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
+def test_versions_are_pinned_and_stamped(conformance_policies, engine_name, family, tmp_path):
+    policy = conformance_policies(family)
+    store = WeightStore(tmp_path / "weights")
+    engine = ENGINES[engine_name](policy, store)
+    planner = _planner(policy, SAMPLING, store)
+    try:
+        base = _one(engine, _chunks(planner, ["a cat"], seed=4)[0])
+        assert base.policy_version == 0 and base.weights_hash == BASE_HASH
+        g = torch.Generator().manual_seed(1)
+        perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in policy.transformer.state_dict().items()}
+        store.publish(1, perturbed, kind="full")
+        v1 = _one(engine, _chunks(planner, ["a cat"], seed=4, version=1)[0])
+        assert v1.policy_version == 1 and v1.weights_hash == store.published_hash(1) != BASE_HASH
+        assert float((v1.latents[:, -1] - base.latents[:, -1]).abs().max()) > 1e-3
+        assert replay_verdict(policy, v1).ok  # ratio 1 at a published version too
+        again = _one(engine, _chunks(planner, ["a cat"], seed=4, version=0)[0])
+        torch.testing.assert_close(again.latents, base.latents, atol=1e-6, rtol=0)
+        unpublished = dataclasses.replace(_chunks(planner, ["a cat"], seed=4)[0], policy_version=5)
+        (result,), _ = engine.generate([unpublished])
+        assert isinstance(result, PolicyVersionError) and "5" in str(result)
+    finally:
+        engine.prefetch(0)  # the session's policy goes back to the base weights

@@ -1,0 +1,268 @@
+"""Data-parallel training (serve_app.trainer.distributed): 2 ranks on gloo give the one-process update.
+
+One fixed rollout (the tiny model in Serve's local testing mode) is trained on once in this process and
+once by 2 ranks: through Ray Train's TorchTrainer (ddp, the `--workers` path) and by 2 plain gloo
+processes (fsdp, and a rank whose weights differ). Rank 0 publishes version 1 to its own weight store;
+the stores' tensors must agree within 1e-5, and every rank's first replay must give ratio 1.
+
+Run as a script, this file is one rank of the plain gloo runs (see _rank_main).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# 2 prompts x 4 samples, 3 stochastic steps; micro-batches of 3 rows (uneven: 3+3+2 in one process, 3+1
+# per rank), 2 inner epochs (the second step moves A as well as B, and its ratios are not 1), a KL term.
+SHARED = ["sampling.num_steps=4", "sampling.guidance_scale=1.0", "sampling.sde_window_size=null"]
+TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.micro_batch_size=3",
+           "trainer.inner_epochs=2", "trainer.lr=1e-2", "trainer.beta=0.04", "trainer.steps=1",
+           "trainer.eval_every=0", "trainer.image_every=0", "trainer.checkpoint_every=0"]
+
+
+def fixed_source(batch):
+    """A rollout source that always returns `batch` (sampled at version 0). Defined in a function, so
+    Ray's cloudpickle ships the class by value to the Train worker that uses it."""
+
+    class FixedSource:
+        def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None):
+            assert policy_version == 0 and group_size == batch.group_size, (policy_version, group_size)
+            return batch
+
+    return FixedSource()
+
+
+def trainer_config(tmp_path: Path, name: str, *extra: str):
+    from serve_app.trainer.config import load_trainer_config
+
+    return load_trainer_config("trainer/flowgrpo", [*SHARED, *TRAINER, f"replica.weights_dir={tmp_path / name / 'weights'}",
+                                                    *extra])
+
+
+def published(config, version: int = 1) -> dict[str, torch.Tensor]:
+    from serve_app.weights import open_weight_store
+
+    return open_weight_store(config).load(version).tensors
+
+
+def assert_same_update(single: dict[str, torch.Tensor], parallel: dict[str, torch.Tensor], base: dict[str, torch.Tensor]):
+    assert single.keys() == parallel.keys() == base.keys()
+    worst = max(float((single[k] - parallel[k]).abs().max()) for k in single)
+    moved = max(float((single[k] - base[k]).abs().max()) for k in single)
+    print(f"max |one process - 2 ranks| {worst:.2e}; largest change of a tensor element {moved:.2e}")  # -s shows it
+    assert worst < 1e-5, worst
+    # The update is 1000x the tolerance, so the agreement is not that of two no-ops.
+    assert moved > 1e-2, moved
+    # Both kinds of adapter tensor moved (A only from the second step on, once B is no longer zero).
+    for kind in ("lora_A", "lora_B"):
+        assert max(float((single[k] - base[k]).abs().max()) for k in single if kind in k) > 1e-3, kind
+
+
+@pytest.fixture(scope="module")
+def rollout(start_local_app, tmp_path_factory):
+    """The fixed batch: 2 prompts x 4 samples from the app at version 0, with the trainer's own sampling."""
+    from serve_app.client import RolloutClient
+
+    tmp = tmp_path_factory.mktemp("dp_rollout")
+    config = trainer_config(tmp, "app")
+    handle = start_local_app("diffusion_rollout", [*SHARED, f"replica.weights_dir={tmp / 'app' / 'weights'}"],
+                             name="dp-rollout")
+    batch = RolloutClient(handle=handle).rollout(config.trainer.prompts[:2], 4, sampling=config.sampling,
+                                                 policy_version=0, seed=11)
+    assert float(batch.advantages.abs().min()) > 0  # every row carries signal
+    return batch
+
+
+@pytest.fixture(scope="module")
+def one_process(rollout, tmp_path_factory):
+    """The reference: one process trains on the whole batch (world size 1) and publishes version 1."""
+    from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+
+    tmp = tmp_path_factory.mktemp("dp_single")
+    config = trainer_config(tmp, "single")
+    trainer = FlowGRPOTrainer(config, fixed_source(rollout), tmp / "single" / "out", policy=load_trainer_policy(config),
+                              progress=False)
+    base = trainer.model.publishable_state()
+    row = trainer.train_step()
+    assert row["onpolicy_ratio_dev"] < 1e-6 and trainer.parallel.world_size == 1
+    return published(config), base
+
+
+def test_shards_are_equal_blocks_of_whole_groups():
+    from serve_app.trainer.distributed import shard_rows
+
+    assert [r.tolist() for r in shard_rows(8, 2, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [r.tolist() for r in shard_rows(12, 4, 3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    with pytest.raises(ValueError, match="multiple of trainer.distributed.workers"):
+        shard_rows(12, 4, 2)  # 3 groups over 2 ranks
+
+
+def test_workers_must_divide_the_prompts_of_a_step(tmp_path, capsys):
+    from serve_app.config import ConfigError
+    from serve_app.trainer.__main__ import main
+
+    with pytest.raises(ConfigError, match=r"prompts_per_step \(2\) must be a multiple of trainer.distributed.workers \(3\)"):
+        trainer_config(tmp_path, "x", "trainer.distributed.workers=3")
+    # The CLI's --workers is that setting, checked before anything connects to Ray.
+    assert main(["--workers", "3", "--out", str(tmp_path / "out"), "trainer.prompts_per_step=2"]) == 2
+    assert "must be a multiple of trainer.distributed.workers (3)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process, tmp_path, flowgrpo_home):
+    """The `--workers 2` path: TorchTrainer, 2 gloo workers (DDP), rank 0 publishes and writes metrics."""
+    import csv
+
+    import ray
+
+    from serve_app.trainer.distributed import run_data_parallel
+
+    single, base = one_process
+    config = trainer_config(tmp_path, "ddp", "trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5")
+    # Gloo's pairs on loopback too (by default it binds the address the host name resolves to).
+    env = {"FLOWGRPO_HOME": flowgrpo_home, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
+    # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
+    try:
+        report = run_data_parallel(config, tmp_path / "ddp" / "out", source=fixed_source(rollout), progress=False)
+    finally:
+        ray.shutdown()
+    assert report["policy_version"] == 1 and "final policy version 1" in report["summary"]
+    assert_same_update(single, published(config), base)
+    with (tmp_path / "ddp" / "out" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1  # rank 0 alone writes
+    # The ratio-1 check ran on each rank's own shard and held there.
+    assert float(rows[0]["onpolicy_ratio_dev_rank0"]) < 1e-6 and float(rows[0]["onpolicy_ratio_dev_rank1"]) < 1e-6
+    assert float(rows[0]["onpolicy_ratio_dev"]) < 1e-6
+    assert (tmp_path / "ddp" / "out" / "lora_final.safetensors").is_file()
+
+
+def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) -> list[dict]:
+    """This file as 2 processes, one gloo rank each, on 127.0.0.1; returns each rank's results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(2):
+        spec = {"rank": rank, "world": 2, "port": port, "scenarios": scenarios, "result": str(tmp_path / f"rank{rank}.json")}
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-4000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_fsdp_shards_give_the_one_process_update_and_a_mismatch_on_one_rank_stops_both(rollout, one_process, tmp_path):
+    single, base = one_process
+    torch.save(rollout, tmp_path / "batch.pt")
+    fsdp = trainer_config(tmp_path, "fsdp", "trainer.distributed.strategy=fsdp")
+    mismatch = trainer_config(tmp_path, "mismatch")
+    scenarios = [
+        {"name": "fsdp", "overrides": [*SHARED, *TRAINER, f"replica.weights_dir={tmp_path / 'fsdp' / 'weights'}",
+                                       "trainer.distributed.strategy=fsdp"],
+         "out": str(tmp_path / "fsdp" / "out"), "batch": str(tmp_path / "batch.pt")},
+        # Rank 1's frozen base weights differ (as if it had loaded another checkpoint): its replay cannot give 1.
+        {"name": "mismatch", "overrides": [*SHARED, *TRAINER, f"replica.weights_dir={tmp_path / 'mismatch' / 'weights'}"],
+         "out": str(tmp_path / "mismatch" / "out"), "batch": str(tmp_path / "batch.pt"), "perturb_rank": 1},
+    ]
+    ranks = _run_ranks(tmp_path, scenarios)
+
+    # FSDP2 on gloo: the trainable tensors were sharded, and the update is the one-process one.
+    for r in ranks:
+        result = r["fsdp"]
+        assert result.get("error") is None, result
+        assert result["local_numel"] < result["full_numel"], result  # each rank held a part of the adapter
+        assert result["onpolicy_ratio_dev"] < 1e-6 and result["version"] == 1
+    assert_same_update(single, published(fsdp), base)
+    # The checkpoint holds whole tensors (one process or ddp can resume it).
+    from serve_app.trainer.checkpoint import load_checkpoint
+
+    state = load_checkpoint(tmp_path / "fsdp" / "out" / "checkpoint")
+    assert all(not hasattr(v, "device_mesh") for v in state.trainable.values())
+    assert sum(v.numel() for v in state.trainable.values()) == ranks[0]["fsdp"]["full_numel"]
+
+    # Rank 1's mismatch fails the step on both ranks, before any optimizer step; nothing is published.
+    for r in ranks:
+        error = r["mismatch"]["error"]
+        assert error is not None and "OnPolicyMismatchError" in error and "on rank(s) [1] of 2" in error, error
+    assert ranks[1]["mismatch"]["onpolicy_ratio_dev"] > 1e-4 and ranks[0]["mismatch"]["onpolicy_ratio_dev"] < 1e-6
+    from serve_app.weights import open_weight_store
+
+    assert open_weight_store(mismatch).versions() == []
+
+
+def _rank_main(spec: dict) -> None:
+    """One gloo rank: each scenario trains one step on the saved batch with a fresh policy."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from serve_app.local_ray import loopback_ray_env
+    from serve_app.trainer.config import load_trainer_config
+    from serve_app.trainer.distributed import DataParallel
+    from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+
+    loopback_ray_env()
+    torch.set_num_threads(1)
+    rank = spec["rank"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=spec["world"], timeout=timedelta(seconds=120))
+    results = {}
+    try:
+        for scenario in spec["scenarios"]:
+            config = load_trainer_config("trainer/flowgrpo", scenario["overrides"])
+            batch = torch.load(scenario["batch"], weights_only=False)
+            policy = load_trainer_policy(config)
+            if scenario.get("perturb_rank") == rank:
+                with torch.no_grad():
+                    policy.transformer.proj_out.weight.mul_(1.5)
+            parallel = DataParallel(config.trainer.distributed.strategy)
+            trainer = FlowGRPOTrainer(config, fixed_source(batch) if rank == 0 else None, scenario["out"], policy=policy,
+                                      progress=False, parallel=parallel)
+            params = trainer.model.parameters()
+            result = {
+                "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+                "full_numel": sum(p.numel() for p in params), "error": None,
+            }
+            stats = {}
+            real_check = trainer._check_onpolicy
+
+            def check(s, real_check=real_check, stats=stats):
+                stats["own"] = s.onpolicy_ratio_dev  # this rank's deviation, before the ranks exchange theirs
+                real_check(s)
+
+            trainer._check_onpolicy = check
+            try:
+                trainer.train(1)
+            except Exception as exc:  # reported to the test, which says what it expects
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            result.update(onpolicy_ratio_dev=stats.get("own", float("nan")), version=trainer.version)
+            results[scenario["name"]] = result
+    finally:
+        dist.destroy_process_group()
+    Path(spec["result"]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))
