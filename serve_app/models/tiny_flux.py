@@ -14,15 +14,15 @@ The transformer has ``guidance_embeds=True`` (a guidance-distilled "dev" model):
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel
 
-from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+from .tiny_parts import clip_text_config, kl_vae, t5_encoder, tokenizer_slots
+from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
 
 __all__ = ["FLUX_MIN_IMAGE_SIZE", "build_tiny_flux"]
 
@@ -37,36 +37,8 @@ _VAE_CHANNELS = (8, 16, 16)  # three levels -> vae_scale_factor 4
 
 
 def _clip() -> CLIPTextModel:
-    config = CLIPTextConfig(
-        vocab_size=QWEN2_VOCAB_SIZE,
-        hidden_size=_CLIP_DIM,
-        intermediate_size=2 * _CLIP_DIM,
-        num_hidden_layers=1,  # Flux uses only the pooled output
-        num_attention_heads=2,
-        max_position_embeddings=_CLIP_MAX_LENGTH,
-        hidden_act="gelu",
-        pad_token_id=QWEN2_PAD_ID,
-        bos_token_id=QWEN2_PAD_ID,
-        eos_token_id=QWEN2_PAD_ID,
-    )
-    return CLIPTextModel(config).eval()
-
-
-def _t5() -> T5EncoderModel:
-    config = T5Config(
-        vocab_size=QWEN2_VOCAB_SIZE,
-        d_model=_T5_DIM,
-        d_kv=8,
-        d_ff=2 * _T5_DIM,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=QWEN2_PAD_ID,
-        eos_token_id=QWEN2_PAD_ID,
-    )
-    return T5EncoderModel(config).eval()
+    # One layer: Flux uses only the pooled output.
+    return CLIPTextModel(clip_text_config(_CLIP_DIM, layers=1, max_length=_CLIP_MAX_LENGTH)).eval()
 
 
 def _transformer() -> FluxTransformer2DModel:
@@ -85,23 +57,8 @@ def _transformer() -> FluxTransformer2DModel:
 
 
 def _vae() -> AutoencoderKL:
-    levels = len(_VAE_CHANNELS)
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=_VAE_CHANNELS,
-        layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=4,
-        sample_size=32,
-        # Flux.1's latent normalisation constants.
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    # Flux.1's latent normalisation constants.
+    return kl_vae(_VAE_CHANNELS, _LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159)
 
 
 def _scheduler() -> FlowMatchEulerDiscreteScheduler:
@@ -125,11 +82,7 @@ def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None 
     with tempfile.TemporaryDirectory() as scratch:
         if tokenizer_dir is None:
             tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
-        base = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        tokenizers = {}
-        for slot, length in (("tokenizer", _CLIP_MAX_LENGTH), ("tokenizer_2", _T5_MAX_LENGTH)):
-            tokenizers[slot] = copy.copy(base)  # shallow: the slots share one Rust backend
-            tokenizers[slot].model_max_length = length
+        tokenizers = tokenizer_slots(tokenizer_dir, {"tokenizer": _CLIP_MAX_LENGTH, "tokenizer_2": _T5_MAX_LENGTH})
         with torch.device("cpu"):
             torch.manual_seed(seed)
             transformer = _transformer()
@@ -138,7 +91,7 @@ def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None 
             torch.manual_seed(seed)
             clip = _clip()
             torch.manual_seed(seed)
-            t5 = _t5()
+            t5 = t5_encoder(_T5_DIM)
         pipe = FluxPipeline(
             scheduler=_scheduler(), vae=vae, text_encoder=clip, text_encoder_2=t5, transformer=transformer, **tokenizers
         )

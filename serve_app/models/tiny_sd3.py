@@ -19,26 +19,15 @@ size is 8x8; ``pos_embed_max_size`` caps it at 256x256.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-)
-from transformers import (
-    AutoTokenizer,
-    CLIPTextConfig,
-    CLIPTextModelWithProjection,
-    T5Config,
-    T5EncoderModel,
-)
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from transformers import CLIPTextModelWithProjection
 
-from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+from .tiny_parts import clip_text_config, kl_vae, t5_encoder, tokenizer_slots
+from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
 
 __all__ = ["SD3_MIN_IMAGE_SIZE", "build_tiny_sd3"]
 
@@ -53,37 +42,9 @@ _VAE_CHANNELS = (8, 16, 16)  # three levels -> vae_scale_factor 4
 
 
 def _clip() -> CLIPTextModelWithProjection:
-    config = CLIPTextConfig(
-        vocab_size=QWEN2_VOCAB_SIZE,
-        hidden_size=_CLIP_DIM,
-        intermediate_size=2 * _CLIP_DIM,
-        projection_dim=_CLIP_DIM,
-        num_hidden_layers=2,  # the pipeline reads hidden_states[-2]
-        num_attention_heads=2,
-        max_position_embeddings=_CLIP_MAX_LENGTH,
-        hidden_act="gelu",
-        pad_token_id=QWEN2_PAD_ID,
-        bos_token_id=QWEN2_PAD_ID,
-        eos_token_id=QWEN2_PAD_ID,
-    )
+    # Two layers: the pipeline reads hidden_states[-2].
+    config = clip_text_config(_CLIP_DIM, layers=2, max_length=_CLIP_MAX_LENGTH, projection_dim=_CLIP_DIM)
     return CLIPTextModelWithProjection(config).eval()
-
-
-def _t5() -> T5EncoderModel:
-    config = T5Config(
-        vocab_size=QWEN2_VOCAB_SIZE,
-        d_model=_T5_DIM,
-        d_kv=8,
-        d_ff=2 * _T5_DIM,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=QWEN2_PAD_ID,
-        eos_token_id=QWEN2_PAD_ID,
-    )
-    return T5EncoderModel(config).eval()
 
 
 def _transformer() -> SD3Transformer2DModel:
@@ -104,23 +65,8 @@ def _transformer() -> SD3Transformer2DModel:
 
 
 def _vae() -> AutoencoderKL:
-    levels = len(_VAE_CHANNELS)
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=_VAE_CHANNELS,
-        layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=4,
-        sample_size=32,
-        # SD3's latent normalisation constants, kept so latent statistics code paths match.
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    # SD3's latent normalisation constants.
+    return kl_vae(_VAE_CHANNELS, _LATENT_CHANNELS, scaling_factor=1.5305, shift_factor=0.0609)
 
 
 def build_tiny_sd3(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
@@ -134,18 +80,9 @@ def build_tiny_sd3(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None =
     with tempfile.TemporaryDirectory() as scratch:
         if tokenizer_dir is None:
             tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
-        # Loading the 151k-token tokenizer takes ~1 s; the slots differ only in
-        # model_max_length, so they are shallow copies sharing one backend.
-        base = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        tokenizers = {}
-        for slot, length in (
-            ("tokenizer", _CLIP_MAX_LENGTH),
-            ("tokenizer_2", _CLIP_MAX_LENGTH),
-            ("tokenizer_3", _T5_MAX_LENGTH),
-        ):
-            tokenizers[slot] = copy.copy(base)
-            tokenizers[slot].model_max_length = length
-
+        tokenizers = tokenizer_slots(
+            tokenizer_dir, {"tokenizer": _CLIP_MAX_LENGTH, "tokenizer_2": _CLIP_MAX_LENGTH, "tokenizer_3": _T5_MAX_LENGTH}
+        )
         with torch.device("cpu"):
             torch.manual_seed(seed)
             transformer = _transformer()
@@ -157,7 +94,7 @@ def build_tiny_sd3(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None =
             torch.manual_seed(seed + 1)
             clip_g = _clip()
             torch.manual_seed(seed)
-            t5 = _t5()
+            t5 = t5_encoder(_T5_DIM)
 
         pipe = StableDiffusion3Pipeline(
             transformer=transformer,
