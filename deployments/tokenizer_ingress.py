@@ -91,10 +91,18 @@ def _png_base64(image) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def _mp4_base64(video) -> str:
+    from serve_app.video import encode_mp4
+
+    return base64.b64encode(encode_mp4(video)).decode()
+
+
 def to_response(batch: TrajectoryBatch, *, return_images: bool) -> RolloutResponse:
-    """JSON for people and other languages (trainers take the tensors by handle)."""
+    """JSON for people and other languages (trainers take the tensors by handle). With return_images,
+    each sample's image as a PNG, or its video ([F, 3, H, W] frames) as an H.264 MP4."""
     t = batch.trajectory
     total = batch.rewards[TOTAL_KEY]
+    videos = t.images.ndim == 5
     samples = [
         SampleOut(
             prompt_index=int(t.prompt_index[i]),
@@ -103,7 +111,8 @@ def to_response(batch: TrajectoryBatch, *, return_images: bool) -> RolloutRespon
             reward=float(total[i]),
             advantage=float(batch.advantages[i]),
             log_probs=t.log_probs[i].tolist(),
-            image_png_base64=_png_base64(t.images[i]) if return_images else None,
+            image_png_base64=_png_base64(t.images[i]) if return_images and not videos else None,
+            video_mp4_base64=_mp4_base64(t.images[i]) if return_images and videos else None,
         )
         for i in range(len(t))
     ]

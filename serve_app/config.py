@@ -48,7 +48,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Which diffusion model the replicas load."""
 
-    family: Literal["qwen_image", "sd3", "flux"] = Field(
+    family: Literal["qwen_image", "sd3", "flux", "wan"] = Field(
         "qwen_image", description="Model family (selects the policy adapter)."
     )
     path: str | None = Field(
@@ -75,8 +75,8 @@ class ModelConfig(_Section):
     max_request_work: int = Field(
         2**22,
         ge=1,
-        description="Most work one request may ask of the replicas: samples x steps x latent tokens (x2 with true "
-        "CFG); above: HTTP 413. Size it to what the replicas do in a request's acceptable time.",
+        description="Most work one request may ask of the replicas: samples x steps x latent tokens (all latent "
+        "frames of a video; x2 with true CFG); above: HTTP 413. Size it to what the replicas do in a request's acceptable time.",
     )
 
 
@@ -87,7 +87,11 @@ class IngressConfig(_Section):
     max_prompt_chars: int = Field(2000, ge=1, description="Longest accepted prompt, in characters.")
     max_group_size: int = Field(64, ge=1, description="Most samples per prompt.")
     max_samples: int = Field(1024, ge=1, description="Most prompts * group_size in one request; above: HTTP 413.")
-    chunk_size: int = Field(8, ge=1, description="Samples per replica call; requests fan out in chunks of this size.")
+    chunk_size: int = Field(
+        8, ge=1, description="Samples per replica call; requests fan out in chunks of this size. It counts latent "
+        "frames: a video of F' latent frames takes F' places, so video chunks hold fewer samples, and a video "
+        "longer than a chunk is refused (413): Wan2.1's 81 frames are 21 latent frames.",
+    )
     chunk_retries: int = Field(
         2, ge=0, description="Re-runs of a chunk whose replica died (its seeds make a re-run exact); then HTTP 503."
     )

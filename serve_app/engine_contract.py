@@ -7,8 +7,9 @@ an :class:`EmbeddedChunk` whose prompts are already encoded (``PromptEmbeds``), 
 encode elsewhere.
 
 Returns: one :class:`~serve_app.schemas.Trajectory` per chunk - window latents [B, K+1, ...],
-per-step log-probs [B, K] float32, the sigma schedule [N+1], uint8 images, the policy version and
-the content hash of the weights that produced them - or the exception that chunk alone caused.
+per-step log-probs [B, K] float32, the sigma schedule [N+1], uint8 images [B, 3, H, W] (a video
+family's videos [B, F, 3, H, W]), the policy version and the content hash of the weights that
+produced them - or the exception that chunk alone caused.
 
 Invariants (tests/conformance checks each one on CPU, for every engine and family):
 

@@ -34,8 +34,8 @@ class RolloutPlan:
 class RolloutPlanner:
     """Plans requests against the app's limits, sampling defaults and model.
 
-    ``geometry`` says which image sizes the model takes and what an image costs; ``max_work`` bounds
-    samples x steps x latent tokens (x2 with CFG) per request. ``store`` is where the trainer
+    ``geometry`` says which image sizes (and video frame counts) the model takes and what a sample costs;
+    ``max_work`` bounds samples x steps x latent tokens (every latent frame's; x2 with CFG) per request. ``store`` is where the trainer
     publishes weight versions: "latest" is resolved there once per request, and a pinned version must
     exist there. Without a store only version 0 exists.
     """
@@ -99,18 +99,38 @@ class RolloutPlanner:
             )
 
     def check_work(self, request: RolloutRequest, sampling: SamplingParams) -> None:
-        """The model takes the image size, and the request's work fits the budget (413 otherwise)."""
-        self.geometry.check(sampling.height, sampling.width)
+        """The model takes the size (and frame count), and the request's work fits the budget (413 otherwise).
+
+        Work counts every latent token a step runs on, so a video costs its latent frames x its pixels'
+        tokens: a video request cannot pass for an image-sized one.
+        """
+        self.geometry.check(sampling.height, sampling.width, sampling.num_frames)
+        latent_frames = self.geometry.latent_frames(sampling.num_frames)
+        if latent_frames > self.limits.chunk_size:
+            raise RequestTooLargeError(
+                f"one sample of {sampling.num_frames} frames is {latent_frames} latent frames, more than a replica call "
+                f"takes (ingress.chunk_size = {self.limits.chunk_size} latent frames); ask for fewer frames",
+                "sampling.num_frames",
+            )
         samples = len(request.prompts) * request.group_size
         passes = 2 if sampling.guidance_scale > 1.0 else 1
-        work = samples * sampling.num_steps * self.geometry.tokens(sampling.height, sampling.width) * passes
+        tokens = self.geometry.tokens(sampling.height, sampling.width, sampling.num_frames)
+        work = samples * sampling.num_steps * tokens * passes
         if work > self.max_work:
+            frames = (f" ({latent_frames} latent frames of {sampling.num_frames})"
+                      if self.geometry.temporal_factor is not None else "")
             raise RequestTooLargeError(
-                f"{samples} samples x {sampling.num_steps} steps x {self.geometry.tokens(sampling.height, sampling.width)} "
-                f"latent tokens{' x 2 (true CFG)' if passes == 2 else ''} = {work} exceeds the model's budget of "
-                f"{self.max_work} (model.max_request_work); ask for fewer samples, steps or pixels",
+                f"{samples} samples x {sampling.num_steps} steps x {tokens} latent tokens{frames}"
+                f"{' x 2 (true CFG)' if passes == 2 else ''} = {work} exceeds the model's budget of "
+                f"{self.max_work} (model.max_request_work); ask for fewer samples, steps, frames or pixels",
                 "sampling",
             )
+
+    def samples_per_chunk(self, sampling: SamplingParams) -> int:
+        """Samples per replica call: ``ingress.chunk_size`` counts latent frames (an image is one), so a
+        replica sized for chunks of images gets as many frames from a video request - fewer samples
+        per chunk, never a larger forward batch (check_work refuses a sample larger than a chunk)."""
+        return max(1, self.limits.chunk_size // self.geometry.latent_frames(sampling.num_frames))
 
     def plan(self, request: RolloutRequest) -> RolloutPlan:
         # 1. Check the request, merge its sampling, check its size and work, pin its version.
@@ -130,12 +150,13 @@ class RolloutPlanner:
         window_start = (
             None if sampling.sde_window_size is None else draw_window_start(request_seed, sampling.sde_window_range)
         )
-        # 3. Samples in AABB order (a group is contiguous), cut into chunks of chunk_size.
+        # 3. Samples in AABB order (a group is contiguous), cut into chunks of chunk_size latent frames.
         prompt_index, sample_index, seeds = group_layout(request_seed, len(request.prompts), request.group_size)
         group_seeds = group_seeds_for(request_seed, prompt_index) if sampling.group_noise == "shared" else None
+        per_chunk = self.samples_per_chunk(sampling)
         chunks = []
-        for start in range(0, len(seeds), self.limits.chunk_size):
-            part = slice(start, start + self.limits.chunk_size)
+        for start in range(0, len(seeds), per_chunk):
+            part = slice(start, start + per_chunk)
             distinct, slot = torch.unique(prompt_index[part], return_inverse=True)
             chunks.append(
                 RolloutChunk(

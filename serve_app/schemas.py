@@ -26,8 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-# A schema-level cap on image sides, far above any model's; each model's own limit is tighter.
+# Schema-level caps on image sides and video frames, far above any model's; each model's own limit is tighter.
 MAX_IMAGE_SIDE = 16384
+MAX_FRAMES = 4097
 
 # ---------------------------------------------------------------------------------------------
 # Settings
@@ -46,6 +47,11 @@ class SamplingParams(BaseModel):
     )
     width: StrictInt = Field(
         32, ge=1, le=MAX_IMAGE_SIDE, description="Image width in pixels; a multiple of the model's spatial factor."
+    )
+    num_frames: StrictInt = Field(
+        1, ge=1, le=MAX_FRAMES,
+        description="Frames per sample: 1 for image families; for video families (wan) num_frames - 1 is a "
+        "multiple of the VAE's temporal factor (4 for Wan2.1: 5, 9, ..., 81).",
     )
     num_steps: StrictInt = Field(10, ge=1, le=1000, description="Denoising steps (sigma schedule length - 1).")
     guidance_scale: StrictFloat = Field(
@@ -224,7 +230,7 @@ class Trajectory:
     log_probs:        [B, K] float32 log-probs of each stochastic transition.
     sigmas:           [N+1] float32 the full schedule (N = num_steps).
     step_indices:     [K] long, which steps of the schedule are stochastic (the SDE window).
-    images:           [B, 3, H, W] uint8 decoded images.
+    images:           [B, 3, H, W] uint8 decoded images; [B, F, 3, H, W] for a video family.
     seeds:            [B] long per-sample seeds.
     prompt_embeds:    conditioning once per distinct prompt (P rows); `embed_row` [B] maps a sample to its row
                       (a function of prompt_index: samples of one prompt share their row).
@@ -349,7 +355,7 @@ class ScoreJob:
     the group for the per-sample rewards, or (``whole_group``) all G samples in sample order for the
     groupwise rewards, once the group's last sample is in.
 
-    sample_index: [n] long; images: [n, 3, H, W] uint8.
+    sample_index: [n] long; images: [n, 3, H, W] uint8 (videos: [n, F, 3, H, W]).
     """
 
     prompt_index: int
@@ -387,7 +393,9 @@ class RolloutRequest(BaseModel):
     )
     seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
     policy_version: StrictInt | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
-    return_images: StrictBool = Field(False, description="HTTP only: include PNG images (base64) in the answer.")
+    return_images: StrictBool = Field(
+        False, description="HTTP only: include each sample's image (PNG, base64) or, for videos, its H.264 MP4 (base64)."
+    )
 
 
 class SampleOut(BaseModel):
@@ -398,6 +406,7 @@ class SampleOut(BaseModel):
     advantage: float
     log_probs: list[float]
     image_png_base64: str | None = None
+    video_mp4_base64: str | None = None
 
 
 class RolloutResponse(BaseModel):

@@ -124,7 +124,7 @@ def denoise(
 
 def initial_latents(policy: DiffusionPolicy, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """x_1 ~ N(0, I) per sample from its own generator (the first draw of its stream)."""
-    shape = (len(generators), *policy.latent_shape(params.height, params.width))
+    shape = (len(generators), *policy.latent_shape(params.height, params.width, params.num_frames))
     return draw_noise(shape, generators, device=policy.device).to(policy.dtype)
 
 
@@ -173,7 +173,7 @@ def rollout(
     steps before the window; otherwise each starts from its own seed's noise.
     """
     # 1. Check inputs
-    policy.check_size(params.height, params.width)
+    policy.check_size(params.height, params.width, params.num_frames)
     batch_shape = (conditioning.embed_row.shape[0],)
     for name, t in (("seeds", seeds), ("prompt_index", prompt_index), ("sample_index", sample_index)):
         if t.shape != batch_shape:

@@ -32,7 +32,7 @@ __all__ = [
 # are not reused.
 BUILD_VERSION = "v1"
 
-ModelFamily = Literal["qwen_image", "sd3", "flux"]
+ModelFamily = Literal["qwen_image", "sd3", "flux", "wan"]
 
 
 class Builder(Protocol):
@@ -74,6 +74,12 @@ def _tiny_flux(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     return build_tiny_flux(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
 
 
+def _tiny_wan(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
+
+
 def _qwen2_tokenizer(out_dir: Path) -> Path:
     from .tokenizer import build_qwen2_tokenizer
 
@@ -85,6 +91,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
     "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
+    "tiny-wan": EmbeddedModel("wan", build=_tiny_wan),
 }
 
 

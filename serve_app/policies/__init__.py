@@ -26,7 +26,7 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SUPPORTED_FAMILIES = ("qwen_image", "sd3", "flux")
+SUPPORTED_FAMILIES = ("qwen_image", "sd3", "flux", "wan")
 
 
 def policy_class(family: str) -> type[DiffusionPolicy]:
@@ -43,6 +43,10 @@ def policy_class(family: str) -> type[DiffusionPolicy]:
         from serve_app.policies.flux import FluxPolicy
 
         return FluxPolicy
+    if family == "wan":
+        from serve_app.policies.wan import WanPolicy
+
+        return WanPolicy
     raise ValueError(f"unknown model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
 
 

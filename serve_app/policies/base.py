@@ -57,15 +57,22 @@ class TextProcessor(abc.ABC):
 
 @dataclass(frozen=True)
 class ImageGeometry:
-    """The image sizes a model takes and what one image costs it (what the ingress checks before any
-    replica sees a request; replicas report it, see DiffusionReplica.geometry)."""
+    """The image (or video) sizes a model takes and what one sample costs it (what the ingress checks
+    before any replica sees a request; replicas report it, see DiffusionReplica.geometry).
+
+    Image families have no ``temporal_factor`` and take one frame; a video family takes
+    ``num_frames = k * temporal_factor + 1`` frames (its VAE's causal temporal compression), at most
+    ``max_frames``.
+    """
 
     family: str
     spatial_multiple: int  # height and width are multiples of this (VAE factor x patch size)
     max_side: int  # the largest height or width the position embedding covers
+    temporal_factor: int | None = None  # video families: frames per latent frame after the first
+    max_frames: int = 1
 
-    def check(self, height: int, width: int) -> None:
-        """Raise InvalidRequestError naming the field when the model cannot take height x width."""
+    def check(self, height: int, width: int, num_frames: int = 1) -> None:
+        """Raise InvalidRequestError naming the field when the model cannot take height x width x num_frames."""
         for field, value in (("sampling.height", height), ("sampling.width", width)):
             if value % self.spatial_multiple:
                 raise InvalidRequestError(
@@ -78,14 +85,37 @@ class ImageGeometry:
                     f"at most {self.max_side} px for {self.family} (its position embedding's extent); got {value}",
                     field,
                 )
+        if self.temporal_factor is None:
+            if num_frames != 1:
+                raise InvalidRequestError(f"{self.family} generates images: must be 1; got {num_frames}",
+                                          "sampling.num_frames")
+            return
+        if (num_frames - 1) % self.temporal_factor:
+            raise InvalidRequestError(
+                f"num_frames - 1 must be a multiple of {self.temporal_factor} (the VAE's temporal factor) for "
+                f"{self.family}; got {num_frames}",
+                "sampling.num_frames",
+            )
+        if num_frames > self.max_frames:
+            raise InvalidRequestError(
+                f"at most {self.max_frames} frames for {self.family} (its position embedding's extent); got {num_frames}",
+                "sampling.num_frames",
+            )
 
-    def tokens(self, height: int, width: int) -> int:
-        """Latent tokens of one height x width image."""
-        return (height // self.spatial_multiple) * (width // self.spatial_multiple)
+    def latent_frames(self, num_frames: int = 1) -> int:
+        """Latent frames of a num_frames video (1 for an image)."""
+        return 1 if self.temporal_factor is None else (num_frames - 1) // self.temporal_factor + 1
+
+    def tokens(self, height: int, width: int, num_frames: int = 1) -> int:
+        """Latent tokens of one height x width sample of num_frames frames."""
+        per_frame = (height // self.spatial_multiple) * (width // self.spatial_multiple)
+        return per_frame * self.latent_frames(num_frames)
 
 
 class DiffusionPolicy(abc.ABC):
-    """A flow-matching text-to-image model: encode prompts, predict velocity (with true CFG), decode."""
+    """A flow-matching text-to-image (or -video) model: encode prompts, predict velocity (with true CFG),
+    decode. Latents are whatever shape the family has ([B, tokens, C] packed, [B, C, H, W], or
+    [B, C, F, H, W] for video); the sampler only adds the batch dim."""
 
     family: ClassVar[str]
     pipeline_class: ClassVar[type]
@@ -160,15 +190,32 @@ class DiffusionPolicy(abc.ABC):
         """Image tokens along one axis the transformer's position embedding covers."""
 
     @property
-    def geometry(self) -> ImageGeometry:
-        return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple)
+    def temporal_factor(self) -> int | None:
+        """Video families: the VAE's temporal compression; None for image families (one frame)."""
+        return None
 
-    def check_size(self, height: int, width: int) -> None:
-        self.geometry.check(height, width)
+    @property
+    def max_frames(self) -> int:
+        """The most frames a sample may have (1 for image families)."""
+        return 1
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple,
+                             self.temporal_factor, self.max_frames)
+
+    def check_size(self, height: int, width: int, num_frames: int = 1) -> None:
+        self.geometry.check(height, width, num_frames)
 
     @abc.abstractmethod
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Shape of one sample's latent (without the batch dim)."""
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """Shape of one sample's latent (without the batch dim); image families take num_frames 1 only."""
+
+    @property
+    def schedule_source(self) -> Any:
+        """The scheduler whose sigmas the sampler steps through: the pipeline's own, unless the family
+        samples with another (Wan: a flow-matching Euler scheduler at the checkout's flow_shift)."""
+        return self.pipeline.scheduler
 
     def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """[N+1] float32 sigmas from 1 towards 0, ending at 0 - the scheduler's own schedule."""
@@ -210,18 +257,18 @@ class DiffusionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
-        """Images [B, 3, H, W] float in [0, 1]."""
+        """Images [B, 3, H, W] (videos: [B, F, 3, H, W]) float in [0, 1]."""
 
 
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[B, 3, H, W] float in [0, 1] -> uint8, rounding to nearest."""
+    """[B, 3, H, W] (or [B, F, 3, H, W]) float in [0, 1] -> uint8, rounding to nearest."""
     return (images.float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu()
 
 
 @lru_cache(maxsize=64)
 def _cached_schedule(policy: DiffusionPolicy, num_steps: int, height: int, width: int) -> torch.Tensor:
     # The scheduler keeps state; a private copy per call keeps concurrent requests apart.
-    scheduler = copy.deepcopy(policy.pipeline.scheduler)
+    scheduler = copy.deepcopy(policy.schedule_source)
     policy._set_timesteps(scheduler, num_steps, height, width)
     sigmas = torch.as_tensor(np.asarray(scheduler.sigmas.cpu(), dtype=np.float32))
     if sigmas.shape != (num_steps + 1,) or float(sigmas[-1]) != 0.0:

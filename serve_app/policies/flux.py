@@ -120,7 +120,7 @@ class FluxPolicy(DiffusionPolicy):
         # Rotary embeddings are computed from the position ids on every call: no table bounds the size.
         return MAX_IMAGE_SIDE // self.spatial_multiple
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
         return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
 

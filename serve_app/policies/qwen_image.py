@@ -75,7 +75,7 @@ class QwenImagePolicy(DiffusionPolicy):
         # QwenEmbedRope precomputes its rotary frequencies for 4096 positions per axis.
         return int(self.pipeline.transformer.pos_embed.pos_freqs.shape[0])
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
         return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
 

@@ -131,7 +131,7 @@ class SD3Policy(DiffusionPolicy):
         config = self.pipeline.transformer.config
         return int(config.pos_embed_max_size or config.sample_size // self._patch_size)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         channels = self.pipeline.transformer.config.in_channels
         return (channels, height // self._vae_factor, width // self._vae_factor)
 

@@ -13,6 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .registry import RewardFn, build_reward, check_image_batch, declares_groupwise
+from .video import check_video_batch
 
 ArgValue = Union[bool, int, float, str, list]
 RuntimeEnvValue = Union[str, list[str], dict[str, str]]
@@ -176,6 +177,15 @@ def checked_values(name: str, prompt: str | None, raw: object, batch: int) -> to
     return values
 
 
+def check_sample_batch(images: torch.Tensor, prompts: Sequence[str]) -> None:
+    """Images uint8 [B, 3, H, W], or - from a video family - videos uint8 [B, F, 3, H, W], which only
+    video rewards (serve_app.rewards.video) take; raises ValueError otherwise."""
+    if isinstance(images, torch.Tensor) and images.ndim == 5:
+        check_video_batch(images, prompts)
+    else:
+        check_image_batch(images, prompts)
+
+
 def _describe(exc: BaseException) -> str:
     # A RayTaskError carries the remote traceback in its text; its typed cause says what went wrong.
     cause = getattr(exc, "cause", None)
@@ -237,7 +247,7 @@ class CompositeReward:
             ValueError: malformed ``images``/``prompts``, or a component placed on a deployment.
             RewardError: a component raised, or returned a non-[B] or non-finite result.
         """
-        check_image_batch(images, prompts)
+        check_sample_batch(images, prompts)
         prompt = prompts[0] if len(prompts) else None
         out: dict[str, torch.Tensor] = {}
         for key, spec in zip(self.keys, self.specs):
@@ -269,7 +279,7 @@ class CompositeReward:
         Raises:
             RewardError: a component with ``on_error: fail`` failed after its retries.
         """
-        check_image_batch(images, [prompt] * images.shape[0])
+        check_sample_batch(images, [prompt] * images.shape[0])
         observer = observer or _NoObserver()
         mine = [(k, s) for k, s in zip(self.keys, self.specs) if self.groupwise[k] == whole_group]
         outcomes = await asyncio.gather(

@@ -84,9 +84,12 @@ def plot_reward_curve(rows: list[dict[str, float]], path: Path) -> None:
 
 
 def save_image_grid(images: torch.Tensor, path: Path, *, columns: int) -> None:
-    """uint8 [B, 3, H, W] -> one PNG, `columns` images a row (a group a row when columns = group size)."""
+    """uint8 [B, 3, H, W] -> one PNG, `columns` images a row (a group a row when columns = group size).
+    Videos uint8 [B, F, 3, H, W] are filmstrips: one video a row, its frames in order."""
     from PIL import Image
 
+    if images.ndim == 5:
+        images, columns = images.flatten(0, 1), images.shape[1]
     b, _, h, w = images.shape
     rows = math.ceil(b / columns)
     grid = torch.zeros(3, rows * h, columns * w, dtype=torch.uint8)

@@ -25,7 +25,11 @@ FAMILIES = {
     "qwen_image": "tiny-qwen-image",
     "sd3": "tiny-sd3",
     "flux": "tiny-flux",
+    "wan": "tiny-wan",
 }
+
+# Sampling a family needs beyond the suite's common settings: video families sample a few frames.
+FAMILY_SAMPLING = {"wan": {"num_frames": 5}}
 
 
 def _stock_qwen_image(policy: DiffusionPolicy, prompt: str, params: SamplingParams, latents: torch.Tensor):
@@ -57,8 +61,24 @@ def _stock_flux(policy: DiffusionPolicy, prompt: str, params: SamplingParams, la
     ).images
 
 
-# Each family's stock diffusers `__call__` from given initial latents: images [B, 3, H, W] in [0, 1].
-STOCK_CALLS = {"qwen_image": _stock_qwen_image, "sd3": _stock_sd3, "flux": _stock_flux}
+def _stock_wan(policy: DiffusionPolicy, prompt: str, params: SamplingParams, latents: torch.Tensor):
+    cfg = params.guidance_scale > 1
+    return policy.pipeline(
+        prompt=prompt, negative_prompt=params.negative_prompt if cfg else None, guidance_scale=params.guidance_scale,
+        height=params.height, width=params.width, num_frames=params.num_frames, num_inference_steps=params.num_steps,
+        max_sequence_length=policy.max_sequence_length, latents=latents.clone(), num_videos_per_prompt=len(latents),
+        output_type="pt",
+    ).frames
+
+
+# Each family's stock diffusers `__call__` from given initial latents: images [B, 3, H, W] (videos
+# [B, F, 3, H, W]) in [0, 1].
+STOCK_CALLS = {"qwen_image": _stock_qwen_image, "sd3": _stock_sd3, "flux": _stock_flux, "wan": _stock_wan}
+
+
+def family_sampling(family: str, params: SamplingParams) -> SamplingParams:
+    """`params` with what `family` needs on top (FAMILY_SAMPLING)."""
+    return params.model_copy(update=FAMILY_SAMPLING.get(family, {}))
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from serve_app.policies.base import images_to_uint8
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import BASE_HASH, WeightStore
 
-from tests.conformance.conftest import ENGINES, FAMILIES, FLAGGED_ENGINES, STOCK_CALLS
+from tests.conformance.conftest import ENGINES, FAMILIES, FLAGGED_ENGINES, STOCK_CALLS, family_sampling
 
 # True CFG on, a 2-step SDE window that always starts at step 0 (so chunks of different requests fuse).
 SAMPLING = SamplingParams(height=32, width=32, num_steps=3, guidance_scale=4.0, noise_level=1.0,
@@ -29,7 +29,9 @@ PAIRS = [(engine, family) for engine in ENGINES for family in FAMILIES]
 
 
 def _planner(engine_policy, sampling: SamplingParams, store=None) -> RolloutPlanner:
-    return RolloutPlanner(engine_policy.text_processor(), IngressConfig(chunk_size=2), sampling,
+    # Two samples a chunk (one group): chunk_size counts latent frames, so a video's count as several.
+    chunk_size = 2 * engine_policy.geometry.latent_frames(sampling.num_frames)
+    return RolloutPlanner(engine_policy.text_processor(), IngressConfig(chunk_size=chunk_size), sampling,
                           engine_policy.geometry, max_work=2**22, store=store)
 
 
@@ -49,7 +51,7 @@ def test_a_samples_noise_depends_on_its_seed_only(conformance_policies, engine_n
     policy = conformance_policies(family)
     engine = ENGINES[engine_name](policy)
     assert isinstance(engine, SamplingEngine) and engine.family == family and engine.geometry == policy.geometry
-    planner = _planner(policy, SAMPLING)
+    planner = _planner(policy, family_sampling(family, SAMPLING))
     cat, dog = _chunks(planner, ["a cat", "a dog"], seed=5)
     (house,) = _chunks(planner, ["a red house"], seed=9)
     alone = _one(engine, dog)
@@ -81,13 +83,14 @@ def noise_zero_case(conformance_policies):
     def get(family: str, guidance_scale: float):
         if (family, guidance_scale) not in cases:
             policy = conformance_policies(family)
-            params = SAMPLING.model_copy(update={"noise_level": 0.0, "guidance_scale": guidance_scale,
-                                                 "sde_window_size": None})
+            params = family_sampling(family, SAMPLING).model_copy(
+                update={"noise_level": 0.0, "guidance_scale": guidance_scale, "sde_window_size": None})
             planner = _planner(policy, params)
             (chunk,) = planner.plan(RolloutRequest(prompts=[PROMPT], group_size=1, seed=11, policy_version=0)).chunks
             latents = initial_latents(policy, params, sample_generators(chunk.seeds))
             stock = STOCK_CALLS[family](policy, PROMPT, params, latents)
-            assert stock.shape == (1, 3, 32, 32) and float(stock.std()) > 1e-3  # not a blank image
+            frames = () if params.num_frames == 1 else (params.num_frames,)
+            assert stock.shape == (1, *frames, 3, 32, 32) and float(stock.std()) > 1e-3  # not a blank image
             cases[family, guidance_scale] = (params, chunk, latents, stock)
         return cases[family, guidance_scale]
 
@@ -123,7 +126,7 @@ def test_the_family_sampler_at_noise_zero_is_the_stock_pipeline_in_float(conform
 @pytest.mark.parametrize(("engine_name", "family"), PAIRS)
 def test_the_trainers_replay_gives_ratio_one(conformance_policies, engine_name, family):
     policy = conformance_policies(family)
-    planner = _planner(policy, SAMPLING)
+    planner = _planner(policy, family_sampling(family, SAMPLING))
     fused, _ = ENGINES[engine_name](policy).generate(_chunks(planner, ["a cat", "a dog"], seed=3))
     for trajectory in fused:
         verdict = replay_verdict(policy, trajectory)
@@ -135,7 +138,7 @@ def test_the_trainers_replay_gives_ratio_one(conformance_policies, engine_name, 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_suite_flags_an_engine_whose_replay_differs(conformance_policies, flagged, family):
     policy = conformance_policies(family)
-    (chunk,) = _chunks(_planner(policy, SAMPLING), ["a cat"], seed=3)
+    (chunk,) = _chunks(_planner(policy, family_sampling(family, SAMPLING)), ["a cat"], seed=3)
     real = replay_verdict(policy, _one(ENGINES["diffusers"](policy), chunk))
     fake = replay_verdict(policy, _one(FLAGGED_ENGINES[flagged](policy), chunk))
     assert real.ok, real.message
@@ -149,7 +152,7 @@ def test_versions_are_pinned_and_stamped(conformance_policies, engine_name, fami
     policy = conformance_policies(family)
     store = WeightStore(tmp_path / "weights")
     engine = ENGINES[engine_name](policy, store)
-    planner = _planner(policy, SAMPLING, store)
+    planner = _planner(policy, family_sampling(family, SAMPLING), store)
     try:
         base = _one(engine, _chunks(planner, ["a cat"], seed=4)[0])
         assert base.policy_version == 0 and base.weights_hash == BASE_HASH

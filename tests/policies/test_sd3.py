@@ -160,14 +160,14 @@ def test_not_a_pipeline_directory(tmp_path):
 
 
 def test_an_unsupported_pipeline_class(tmp_path):
-    (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
-    with pytest.raises(ValueError, match="WanPipeline") as info:
+    (tmp_path / "model_index.json").write_text('{"_class_name": "CogVideoXPipeline"}')
+    with pytest.raises(ValueError, match="CogVideoXPipeline") as info:
         detect_family(tmp_path)
     assert all(name in str(info.value) for name in ("StableDiffusion3Pipeline", "QwenImagePipeline", "FluxPipeline"))
 
 
 def test_unknown_family_lists_the_supported_ones(sd3_dir):
-    with pytest.raises(ValueError, match=r"unknown model family 'wan'.*qwen_image, sd3, flux"):
-        load_policy(sd3_dir, family="wan")
-    with pytest.raises(ValueError, match=r"unknown model family 'wan'.*qwen_image, sd3, flux"):
-        load_text_processor(sd3_dir, family="wan")
+    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, sd3, flux, wan"):
+        load_policy(sd3_dir, family="cogvideox")
+    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, sd3, flux, wan"):
+        load_text_processor(sd3_dir, family="cogvideox")

@@ -1,0 +1,220 @@
+"""Wan2.1 text-to-video: a UMT5 text encoder, a WanTransformer3DModel over 1x2x2 patches of 5-D latents
+[B, C, F', H', W'], the causal 3-D AutoencoderKLWan.
+
+Mirrors the stock ``WanPipeline.__call__`` (diffusers 0.42):
+
+* Prompts are cleaned (``prompt_clean``: ftfy when installed, HTML unescaping, whitespace), tokenized
+  and padded to ``max_sequence_length`` (512, capped by the tokenizer's own limit) with an attention
+  mask; the encoder's states past each prompt's tokens are zeroed and the transformer attends to all
+  ``max_sequence_length`` positions, zeros included. Here the embeddings travel trimmed to the
+  longest prompt (with their mask) and are zero-padded back only in :meth:`WanPolicy.predict`.
+* True CFG is ``uncond + w (cond - uncond)`` without renormalisation; the negative prompt is encoded
+  like any prompt.
+* The transformer gets the scheduler's timesteps (sigma x num_train_timesteps, float32).
+* Decoding un-normalises with the VAE's ``latents_mean`` / ``latents_std`` and returns frames
+  [B, F, 3, H, W] in [0, 1]; F = (F' - 1) x temporal factor + 1.
+
+The sigma schedule. Our sampler takes Euler / Flow-SDE steps between flow-matching sigmas, so the
+schedule must be one a ``FlowMatchEulerDiscreteScheduler`` produces. Stock Wan2.1 checkouts ship a
+``UniPCMultistepScheduler`` with ``use_flow_sigmas`` and a ``flow_shift`` (3.0 at 480p, 5.0 at 720p):
+a multistep solver our one-step transition cannot replay. The adapter therefore samples such a
+checkout with ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` - the same time shift
+``sigma' = s sigma / (1 + (s - 1) sigma)`` applied to FlowMatchEuler's own spacing - and leaves the
+pipeline's scheduler untouched (``pipeline.scheduler`` is still UniPC for anyone calling the stock
+``__call__``). A checkout whose scheduler already is FlowMatchEuler (the embedded tiny Wan) is used
+as it is, so the stock call at noise 0 is exactly our ODE. Wan2.2's two-expert pipelines
+(``transformer_2``/``boundary_ratio``) and ``expand_timesteps`` are refused at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from transformers import AutoTokenizer
+
+from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.schemas import PromptEmbeds, PromptTokens
+
+TOKENIZER_SLOT = "tokenizer"
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
+
+
+def max_sequence_length(tokenizer: Any) -> int:
+    """Text positions the transformer sees: the stock default, capped by the tokenizer's limit."""
+    if tokenizer is None:
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+    return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
+
+
+def flow_match_scheduler(scheduler: Any) -> FlowMatchEulerDiscreteScheduler:
+    """The flow-matching scheduler whose sigmas the sampler steps through (see the module docstring).
+
+    Raises:
+        ValueError: the checkout's scheduler is neither FlowMatchEuler nor a flow-sigma scheduler with
+            a ``flow_shift`` (nothing says which flow-matching schedule it was trained for).
+    """
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return scheduler
+    config = scheduler.config
+    if not config.get("use_flow_sigmas", False) or config.get("flow_shift") is None:
+        raise ValueError(
+            f"Wan needs a flow-matching schedule: the checkout's {type(scheduler).__name__} has neither "
+            "FlowMatchEulerDiscreteScheduler's type nor use_flow_sigmas with a flow_shift"
+        )
+    if config.get("use_dynamic_shifting", False):
+        raise ValueError(f"{type(scheduler).__name__} with use_dynamic_shifting is not supported for Wan")
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=config.get("num_train_timesteps", 1000), shift=float(config["flow_shift"])
+    )
+
+
+class WanTextProcessor(TextProcessor):
+    """Cleaned prompts, truncated to ``max_sequence_length`` tokens; unpadded (the encoder pads)."""
+
+    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        if tokenizers.get(TOKENIZER_SLOT) is None:
+            raise ValueError("Wan needs its tokenizer (the checkout's `tokenizer` folder)")
+        super().__init__(tokenizers)
+        self.max_sequence_length = max_sequence_length(tokenizers[TOKENIZER_SLOT])
+
+    def format(self, prompt: str) -> str:
+        return prompt_clean(prompt)
+
+    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
+        encoded = self._tokenizer(TOKENIZER_SLOT)(
+            [self.format(p) for p in prompts],
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            padding=False,
+        )
+        return [
+            PromptTokens(text=p, token_ids={TOKENIZER_SLOT: torch.tensor(ids, dtype=torch.long)})
+            for p, ids in zip(prompts, encoded["input_ids"])
+        ]
+
+
+class WanPolicy(DiffusionPolicy):
+    family = "wan"
+    pipeline_class = WanPipeline
+    pipeline_class_names = ("WanPipeline",)
+    cfg_renormalize = False
+
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
+        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps", False):
+            raise ValueError("Wan2.2 pipelines (transformer_2 / expand_timesteps) are not supported; Wan2.1 T2V is")
+        super().__init__(pipeline, device=device, dtype=dtype)
+        self._flow_scheduler = flow_match_scheduler(pipeline.scheduler)
+
+    @staticmethod
+    def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
+        return [pipeline.text_encoder, pipeline.vae]
+
+    def _make_text_processor(self) -> WanTextProcessor:
+        return WanTextProcessor({TOKENIZER_SLOT: self.pipeline.tokenizer})
+
+    @classmethod
+    def load_text_processor(cls, local_dir: str | Path) -> WanTextProcessor:
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(local_dir) / TOKENIZER_SLOT), local_files_only=True)
+        return WanTextProcessor({TOKENIZER_SLOT: tokenizer})
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Text positions per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
+        return max_sequence_length(self.pipeline.tokenizer)
+
+    # -- geometry and schedule -------------------------------------------------------------
+
+    @property
+    def _patch_size(self) -> tuple[int, int, int]:
+        t, h, w = self.pipeline.transformer.config.patch_size
+        return int(t), int(h), int(w)
+
+    @property
+    def spatial_multiple(self) -> int:
+        return int(self.pipeline.vae_scale_factor_spatial) * self._patch_size[1]
+
+    @property
+    def temporal_factor(self) -> int:
+        return int(self.pipeline.vae_scale_factor_temporal)
+
+    @property
+    def max_tokens_per_axis(self) -> int:
+        # WanRotaryPosEmbed precomputes rope_max_seq_len positions per axis (time, height, width).
+        return int(self.pipeline.transformer.config.rope_max_seq_len)
+
+    @property
+    def max_frames(self) -> int:
+        latent_frames = self.max_tokens_per_axis * self._patch_size[0]
+        return (latent_frames - 1) * self.temporal_factor + 1
+
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        factor = int(self.pipeline.vae_scale_factor_spatial)
+        channels = self.pipeline.transformer.config.in_channels
+        return (channels, self.geometry.latent_frames(num_frames), height // factor, width // factor)
+
+    @property
+    def schedule_source(self) -> FlowMatchEulerDiscreteScheduler:
+        return self._flow_scheduler
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+        scheduler.set_timesteps(num_steps, device="cpu")  # a fixed shift: no dependence on the size
+
+    # -- model calls -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        if not prompts or any(TOKENIZER_SLOT not in p.token_ids for p in prompts):
+            raise ValueError(f"Wan needs token ids for {TOKENIZER_SLOT!r} (use the family's TextProcessor)")
+        length = self.max_sequence_length
+        ids = [p.token_ids[TOKENIZER_SLOT][:length] for p in prompts]
+        pad_id = self.pipeline.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(ids), length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, x in enumerate(ids):  # right padding to the full length, as the stock tokenizer call pads
+            input_ids[row, : len(x)] = x
+            attention_mask[row, : len(x)] = 1
+        encoder = self.pipeline.text_encoder
+        hidden = encoder(input_ids.to(self.device), attention_mask.to(self.device)).last_hidden_state.to(encoder.dtype)
+        width = max(max(len(x) for x in ids), 1)
+        mask = attention_mask[:, :width].bool().to(self.device)
+        # States past a prompt's tokens are zeros in the stock pipeline (it keeps u[:seq_len] and pads).
+        embeds = torch.where(mask[..., None], hidden[:, :width], torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+        return PromptEmbeds(embeds.to(self.dtype), mask)
+
+    def predict(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
+    ) -> torch.Tensor:
+        embeds = cond.embeds.to(self.dtype)
+        # The transformer attends to every one of the max_sequence_length positions, zeros included.
+        padding = self.max_sequence_length - embeds.shape[1]
+        if padding < 0:
+            raise ValueError(f"prompt embeddings of {embeds.shape[1]} tokens exceed max_sequence_length "
+                             f"{self.max_sequence_length}")
+        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, padding))
+        # The stock loop passes the scheduler's timesteps: sigma x num_train_timesteps in float32.
+        timestep = sigma.to(device=latents.device, dtype=torch.float32) * self._flow_scheduler.config.num_train_timesteps
+        return self.pipeline.transformer(
+            hidden_states=latents.to(self.dtype),
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        """Videos [B, F, 3, H, W] float in [0, 1] from latents [B, C, F', H', W']."""
+        pipe = self.pipeline
+        vae = pipe.vae
+        z = latents.to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        # Divided by the reciprocal, as the stock pipeline does, so the rounding is the same.
+        video = vae.decode(z / inv_std + mean, return_dict=False)[0]
+        return pipe.video_processor.postprocess_video(video, output_type="pt")
