@@ -8,10 +8,10 @@
 2. Sampling throughput with shared vs independent group noise at SDE window start 4 of 10 steps
    (in process, the same model, interleaved): images/s and their ratio.
 3. With --accuracy-minutes > 0: strict accuracy of the shapes checker on the train prompts (fixed
-   seeds, ODE) before and after that many training minutes, for k = 0, k = 1 and k = 1 with shared
-   noise.
+   seeds, ODE; [value, 95% low, high]) before and after that many training minutes, and its paired
+   change in points, for k = 0, k = 1 and k = 1 with shared noise.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--steps 8] [--repeats 3] [--accuracy-minutes 0]
+    .venv/bin/python benchmarks/bench_pipeline.py [--steps 8] [--repeats 3] [--accuracy-minutes 0] [--accuracy-samples-per-prompt 3]
 
 Prints one JSON document (min / median / max over repeats).
 """
@@ -116,23 +116,29 @@ def group_noise_speed(*, repeats: int, batch_prompts: int, group_size: int) -> d
     }
 
 
-def accuracy_over_minutes(overrides: list[str], work: Path, minutes: float) -> dict:
-    """Train-prompt strict accuracy before/after `minutes` of training for k = 0, k = 1, k = 1 + shared noise."""
+def accuracy_over_minutes(overrides: list[str], work: Path, minutes: float, samples_per_prompt: int) -> dict:
+    """Train-prompt strict accuracy before/after `minutes` of training for k = 0, k = 1, k = 1 + shared noise:
+    the same fixed seeds at every evaluation, so each change comes with its paired 95% interval."""
     variants = {"k0": ["trainer.max_staleness=0"], "k1": ["trainer.max_staleness=1"],
                 "k1_shared": ["trainer.max_staleness=1", "sampling.group_noise=shared"]}
     evaluation = ["trainer.eval_every=1000000", "trainer.evaluation.args.splits=[train]",
-                  "trainer.evaluation.samples_per_prompt=1"]
+                  f"trainer.evaluation.samples_per_prompt={samples_per_prompt}"]
     result = {}
     for name, extra in variants.items():
         trainer = trainer_for(overrides, work / f"acc-{name}", [*evaluation, *extra])
-        before = trainer.evaluate()["strict_accuracy"]
+        before = trainer.evaluate()
         started = time.perf_counter()
         while time.perf_counter() - started < minutes * 60:
             trainer.train_step()
-        after = trainer.evaluate()["strict_accuracy"]
+        after = trainer.evaluate()
         trainer.finish()
-        result[name] = {"steps": trainer.step, "strict_before": before, "strict_after": after,
-                        "change_points": 100 * (after - before)}
+        result[name] = {
+            "steps": trainer.step, "images_evaluated": len(trainer.evaluator.splits["train"]) * samples_per_prompt,
+            "strict_before": [before[k] for k in ("strict_accuracy", "strict_accuracy_lo", "strict_accuracy_hi")],
+            "strict_after": [after[k] for k in ("strict_accuracy", "strict_accuracy_lo", "strict_accuracy_hi")],
+            "change_points": [100 * after[k] for k in ("strict_accuracy_change", "strict_accuracy_change_lo",
+                                                       "strict_accuracy_change_hi")],
+        }
     return result
 
 
@@ -144,6 +150,7 @@ def main() -> None:
     parser.add_argument("--noise-prompts", type=int, default=8)
     parser.add_argument("--noise-group-size", type=int, default=8)
     parser.add_argument("--accuracy-minutes", type=float, default=0.0, help="0 skips the accuracy comparison")
+    parser.add_argument("--accuracy-samples-per-prompt", type=int, default=3, help="fixed seeds per train prompt")
     args = parser.parse_args()
 
     import torch
@@ -165,7 +172,8 @@ def main() -> None:
         report["settings"] = {"steps": args.steps, "repeats": args.repeats, "trainer_config": "trainer/shapes",
                               "torch_threads": {"trainer": 1, "replica": 1}}
         if args.accuracy_minutes > 0:
-            report["accuracy"] = accuracy_over_minutes(overrides, Path(scratch), args.accuracy_minutes)
+            report["accuracy"] = accuracy_over_minutes(overrides, Path(scratch), args.accuracy_minutes,
+                                                      args.accuracy_samples_per_prompt)
     print(json.dumps(report, indent=2))
 
 
