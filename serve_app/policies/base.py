@@ -260,6 +260,29 @@ class DiffusionPolicy(abc.ABC):
         """Images [B, 3, H, W] (videos: [B, F, 3, H, W]) float in [0, 1]."""
 
 
+class PackedLatentPolicy(DiffusionPolicy):
+    """A family whose transformer takes latents packed 2x2 into tokens (Qwen-Image, Flux): one sample's
+    latent is [tokens, channels], with the transformer's `in_channels` already x4 for the packing."""
+
+    @property
+    def _vae_factor(self) -> int:
+        return int(self.pipeline.vae_scale_factor)
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self._vae_factor * 2  # 2x2 latent packing
+
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        channels = self.pipeline.transformer.config.in_channels
+        return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
+
+
+def rows_of(prompts: Sequence[str], ids: Mapping[str, torch.Tensor]) -> list[PromptTokens]:
+    """One PromptTokens per prompt from padded batches of token ids [len(prompts), length] per slot."""
+    return [PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
+            for row, p in enumerate(prompts)]
+
+
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
     """[B, 3, H, W] (or [B, F, 3, H, W]) float in [0, 1] -> uint8, rounding to nearest."""
     return (images.float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu()

@@ -27,7 +27,7 @@ from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from transformers import AutoTokenizer
 
-from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.policies.base import PackedLatentPolicy, TextProcessor, rows_of
 from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens
 
 CLIP_SLOT = "tokenizer"
@@ -67,13 +67,10 @@ class FluxTextProcessor(TextProcessor):
             ).input_ids
             for slot, length in ((CLIP_SLOT, self.clip_length), (T5_SLOT, self.max_sequence_length))
         }
-        return [
-            PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
-            for row, p in enumerate(prompts)
-        ]
+        return rows_of(prompts, ids)
 
 
-class FluxPolicy(DiffusionPolicy):
+class FluxPolicy(PackedLatentPolicy):
     family = "flux"
     pipeline_class = FluxPipeline
     pipeline_class_names = ("FluxPipeline",)
@@ -108,21 +105,9 @@ class FluxPolicy(DiffusionPolicy):
     # -- geometry and schedule -------------------------------------------------------------
 
     @property
-    def _vae_factor(self) -> int:
-        return int(self.pipeline.vae_scale_factor)
-
-    @property
-    def spatial_multiple(self) -> int:
-        return self._vae_factor * 2  # 2x2 latent packing
-
-    @property
     def max_tokens_per_axis(self) -> int:
         # Rotary embeddings are computed from the position ids on every call: no table bounds the size.
         return MAX_IMAGE_SIDE // self.spatial_multiple
-
-    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
-        channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
-        return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
 
     def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
         config = scheduler.config

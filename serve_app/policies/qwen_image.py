@@ -12,7 +12,7 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from transformers import AutoTokenizer
 
-from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.policies.base import PackedLatentPolicy, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
 # The pipeline's own template: the encoder's hidden states of the first 34 tokens (the system
@@ -44,7 +44,7 @@ class QwenImageTextProcessor(TextProcessor):
         ]
 
 
-class QwenImagePolicy(DiffusionPolicy):
+class QwenImagePolicy(PackedLatentPolicy):
     family = "qwen_image"
     pipeline_class = QwenImagePipeline
     pipeline_class_names = ("QwenImagePipeline",)
@@ -63,21 +63,9 @@ class QwenImagePolicy(DiffusionPolicy):
         return QwenImageTextProcessor({"tokenizer": tokenizer})
 
     @property
-    def _vae_factor(self) -> int:
-        return int(self.pipeline.vae_scale_factor)
-
-    @property
-    def spatial_multiple(self) -> int:
-        return self._vae_factor * 2  # 2x2 latent packing
-
-    @property
     def max_tokens_per_axis(self) -> int:
         # QwenEmbedRope precomputes its rotary frequencies for 4096 positions per axis.
         return int(self.pipeline.transformer.pos_embed.pos_freqs.shape[0])
-
-    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
-        channels = self.pipeline.transformer.config.in_channels  # already x4 for the packing
-        return ((height // self.spatial_multiple) * (width // self.spatial_multiple), channels)
 
     def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
         seq_len = self.latent_shape(height, width)[0]

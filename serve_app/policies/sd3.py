@@ -18,7 +18,7 @@ from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from transformers import AutoTokenizer
 
-from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.policies.base import DiffusionPolicy, TextProcessor, rows_of
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
 CLIP_SLOTS = ("tokenizer", "tokenizer_2")
@@ -73,10 +73,7 @@ class SD3TextProcessor(TextProcessor):
                 add_special_tokens=True,
                 return_tensors="pt",
             ).input_ids
-        return [
-            PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
-            for row, p in enumerate(prompts)
-        ]
+        return rows_of(prompts, ids)
 
 
 class SD3Policy(DiffusionPolicy):
