@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib.resources
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from tiktoken.load import load_tiktoken_bpe
-from transformers import AddedToken, Qwen2Tokenizer
+from tokenizers import Tokenizer, models
+from transformers import AddedToken, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "QWEN2_PAD_ID",
     "QWEN2_VOCAB_SIZE",
     "build_qwen2_tokenizer",
+    "build_word_level_tokenizer",
     "place_tokenizer_json",
     "load_qwen_tiktoken_ranks",
     "qwen_vocab_and_merges",
@@ -220,3 +223,56 @@ def place_tokenizer_json(tokenizer_dir: Path, dst_dir: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+WORD_LEVEL_UNK = "<unk>"
+_WORD_LEVEL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_word_level_tokenizer(qwen2_dir: Path, out_dir: Path, texts: Sequence[str], *,
+                               model_max_length: int = 1024) -> Path:
+    """A word-level tokenizer over the Qwen2 pieces ``texts`` use, saved to ``out_dir``.
+
+    The Qwen2 normaliser, pre-tokenizer and byte-level alphabet, but a vocabulary of only those
+    pieces (plus the special tokens and ``<unk>``, which any other word becomes): a procedural
+    world's text encoder then needs a few dozen embedding rows instead of 151,665. Every pre-token
+    of ``texts`` must be one Qwen2 token, so ids line up with Qwen2's pieces one to one (and a
+    prompt template keeps its length); a text where that fails raises RuntimeError.
+    """
+    qwen = AutoTokenizer.from_pretrained(str(qwen2_dir), local_files_only=True)
+    backend = qwen.backend_tokenizer
+    pieces: dict[str, None] = {}
+    for text in texts:
+        for token in qwen.convert_ids_to_tokens(qwen(text)["input_ids"]):
+            if token not in _WORD_LEVEL_SPECIALS:
+                pieces[token] = None
+    for text in texts:
+        normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
+        splits = [s for chunk in _split_specials(normalized) for s, _ in backend.pre_tokenizer.pre_tokenize_str(chunk)]
+        missing = [s for s in splits if s not in pieces]
+        if missing:
+            raise RuntimeError(f"pre-tokens {missing} of {text!r} are not single Qwen2 tokens")
+    vocab = {t: i for i, t in enumerate([*_WORD_LEVEL_SPECIALS, WORD_LEVEL_UNK, *pieces])}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token=WORD_LEVEL_UNK))
+    word_level.normalizer = backend.normalizer
+    word_level.pre_tokenizer = backend.pre_tokenizer
+    word_level.decoder = backend.decoder
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        unk_token=WORD_LEVEL_UNK,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(_WORD_LEVEL_SPECIALS[1:]),
+        model_max_length=model_max_length,
+    )
+    out_dir = Path(out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _split_specials(text: str) -> list[str]:
+    """The text between special tokens (which the tokenizer matches before pre-tokenizing)."""
+    chunks = [text]
+    for special in _WORD_LEVEL_SPECIALS:
+        chunks = [part for chunk in chunks for part in chunk.split(special)]
+    return [c for c in chunks if c]

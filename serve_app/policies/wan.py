@@ -169,6 +169,10 @@ class WanPolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        return self.embed_prompts(prompts)
+
+    def embed_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        """encode_prompts with autograd on: pretraining trains the text encoder through it."""
         if not prompts or any(TOKENIZER_SLOT not in p.token_ids for p in prompts):
             raise ValueError(f"Wan needs token ids for {TOKENIZER_SLOT!r} (use the family's TextProcessor)")
         length = self.max_sequence_length
@@ -207,14 +211,30 @@ class WanPolicy(DiffusionPolicy):
         )[0]
 
     @torch.no_grad()
+    def encode_videos(self, videos: torch.Tensor) -> torch.Tensor:
+        """Videos [B, F, 3, H, W] in [0, 1] -> normalised latents [B, C, F', H', W']; decode's inverse
+        (exactly so for a pixel-space VAE). Uses the VAE posterior's mode."""
+        vae = self.pipeline.vae
+        pixels = videos.to(self.device, vae.dtype).transpose(1, 2) * 2.0 - 1.0  # the pipeline's [B, 3, F, H, W]
+        latents = vae.encode(pixels).latent_dist.mode()
+        mean, inv_std = self._latent_statistics(latents)
+        return (latents - mean) * inv_std
+
+    def _latent_statistics(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latents_mean and 1 / latents_std, shaped to broadcast over [B, C, F', H', W']."""
+        vae = self.pipeline.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        return mean, inv_std
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
         """Videos [B, F, 3, H, W] float in [0, 1] from latents [B, C, F', H', W']."""
         pipe = self.pipeline
         vae = pipe.vae
         z = latents.to(vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        mean, inv_std = self._latent_statistics(z)
         # Divided by the reciprocal, as the stock pipeline does, so the rounding is the same.
         video = vae.decode(z / inv_std + mean, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="pt")

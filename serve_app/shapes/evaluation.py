@@ -75,8 +75,14 @@ def summarize(found: Sequence[Verdict]) -> dict[str, float]:
 
 def intervals(found: Sequence[Verdict], *, confidence: float = CONFIDENCE) -> dict[str, float]:
     """`<column>_lo` / `_hi` of every EVAL_COLUMNS figure (see the module's docstring for which interval)."""
+    return accuracy_intervals(per_image(found), confidence=confidence)
+
+
+def accuracy_intervals(per_sample: dict[str, list[float]], *, confidence: float = CONFIDENCE) -> dict[str, float]:
+    """`<column>_lo` / `_hi` of each column's per-sample values: Wilson for the 0/1 accuracies, a
+    percentile bootstrap for partial_score (a mean of thirds)."""
     bounds = {}
-    for column, values in per_image(found).items():
+    for column, values in per_sample.items():
         if column == "partial_score":
             lo, hi = bootstrap_interval(values, confidence=confidence)
         else:
@@ -146,12 +152,17 @@ class ShapesEvaluator(Evaluator):
 
     def __init__(self, config: Any, *, splits: Sequence[str] = ("held_out",),
                  max_images_per_split: int | None = None) -> None:
-        self._splits = {split: eval_prompts(split) for split in splits}  # unknown names fail here
+        self._splits = {split: self.split_prompts(split) for split in splits}  # unknown names fail here
         if not self._splits:
-            raise ValueError("ShapesEvaluator needs at least one split (train, held_out or all)")
+            raise ValueError(f"{type(self).__name__} needs at least one split (train, held_out or all)")
         if max_images_per_split is not None and max_images_per_split < 1:
             raise ValueError(f"max_images_per_split must be >= 1; got {max_images_per_split}")
         self._max_images = max_images_per_split
+
+    @staticmethod
+    def split_prompts(split: str) -> list[str]:
+        """The prompts of a split of the world's grammar."""
+        return eval_prompts(split)
 
     def splits(self) -> dict[str, list[str]]:
         return dict(self._splits)
@@ -178,9 +189,10 @@ class ShapesEvaluator(Evaluator):
         return f"{100 * delta:+.1f} points"
 
 
-def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
-    """Every accuracy column of eval.csv against the training step, one line style per split; strict
-    accuracy with its interval as a band."""
+def plot_accuracy(rows: list[dict[str, Any]], path: Path, *, columns: Sequence[str] = EVAL_COLUMNS,
+                  headline: str = "strict_accuracy") -> None:
+    """Every accuracy column of eval.csv against the training step, one line style per split; the
+    headline with its interval as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,14 +204,14 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
     for split, line, hatch in zip(splits, ("-", ":", "--"), (None, "////", "\\\\")):
         mine = [r for r in rows if r.get("split", "") == split]
         steps = [r["step"] for r in mine]
-        for column, colour in zip(EVAL_COLUMNS, ("k", "tab:purple", "tab:blue", "tab:red", "tab:green")):
-            strict = column == "strict_accuracy"
-            ax.plot(steps, [r.get(column, math.nan) for r in mine], line, color=colour, marker="o" if strict else None,
-                    linewidth=2.5 if strict else 1, label=f"{column} ({split})")
-        ax.fill_between(steps, [r.get("strict_accuracy_lo", math.nan) for r in mine],
-                        [r.get("strict_accuracy_hi", math.nan) for r in mine], facecolor="none" if hatch else "0.85",
+        for column, colour in zip(columns, ("k", "tab:purple", "tab:blue", "tab:red", "tab:green", "tab:orange")):
+            main = column == headline
+            ax.plot(steps, [r.get(column, math.nan) for r in mine], line, color=colour, marker="o" if main else None,
+                    linewidth=2.5 if main else 1, label=f"{column} ({split})")
+        ax.fill_between(steps, [r.get(f"{headline}_lo", math.nan) for r in mine],
+                        [r.get(f"{headline}_hi", math.nan) for r in mine], facecolor="none" if hatch else "0.85",
                         edgecolor="0.6", hatch=hatch, linewidth=0,
-                        label=f"strict_accuracy {CONFIDENCE:.0%} interval ({split})")
+                        label=f"{headline} {CONFIDENCE:.0%} interval ({split})")
     ax.set_xlabel("training step")
     ax.set_ylabel("accuracy (ODE, fixed seeds)")
     ax.set_ylim(0, 1)

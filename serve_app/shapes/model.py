@@ -16,28 +16,23 @@ Components, all loaded by the stock ``QwenImagePipeline.from_pretrained`` and ou
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from pydantic import BaseModel, ConfigDict, Field
-from tokenizers import Tokenizer, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
-from serve_app.models.pixel_vae import PixelPatchVAE
+from serve_app.models.pixel_vae import PixelPatchVAE, save_pixel_space_pipeline
 from serve_app.models.registry import EmbeddedModel
 from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder, qwen_image_transformer
+from serve_app.models.tokenizer import build_word_level_tokenizer
 
 __all__ = ["SHAPES_QWEN_IMAGE", "ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
 
 # The pretrained checkpoint shipped in the repo (its README has the command, config and figures);
 # configs/model/shapes_qwen_image.yaml names it as `embedded: serve_app.shapes.model:SHAPES_QWEN_IMAGE`.
 SHAPES_QWEN_IMAGE = EmbeddedModel("qwen_image", shipped=Path(__file__).parent / "checkpoints" / "shapes-qwen-image")
-
-UNK_TOKEN = "<unk>"
-_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
 
 class ShapesModelSpec(BaseModel):
     """Architecture of the shapes-world pipeline (configs/shapes/pretrain.yaml `model:`)."""
@@ -70,46 +65,7 @@ def _vocabulary_texts() -> list[str]:
 
 def build_shapes_tokenizer(qwen2_dir: Path, out_dir: Path) -> Path:
     """A word-level tokenizer over the Qwen2 pieces the template and the shapes grammar use."""
-    qwen = AutoTokenizer.from_pretrained(str(qwen2_dir), local_files_only=True)
-    backend = qwen.backend_tokenizer
-    pieces: dict[str, None] = {}
-    for text in _vocabulary_texts():
-        ids = qwen(text)["input_ids"]
-        for token in qwen.convert_ids_to_tokens(ids):
-            if token not in _SPECIAL_TOKENS:
-                pieces[token] = None
-    # Every pre-token must be a single Qwen2 token; otherwise word-level ids would not line up
-    # with Qwen2's and the template prefix would not be 34 tokens long.
-    for text in _vocabulary_texts():
-        normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
-        splits = [s for chunk in _split_specials(normalized) for s, _ in backend.pre_tokenizer.pre_tokenize_str(chunk)]
-        missing = [s for s in splits if s not in pieces]
-        if missing:
-            raise RuntimeError(f"pre-tokens {missing} of {text!r} are not single Qwen2 tokens")
-    vocab = {t: i for i, t in enumerate([*_SPECIAL_TOKENS, UNK_TOKEN, *pieces])}
-    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    word_level.normalizer = backend.normalizer
-    word_level.pre_tokenizer = backend.pre_tokenizer
-    word_level.decoder = backend.decoder
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=word_level,
-        unk_token=UNK_TOKEN,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(_SPECIAL_TOKENS[1:]),
-        model_max_length=1024,
-    )
-    out_dir = Path(out_dir)
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
-
-
-def _split_specials(text: str) -> list[str]:
-    """The text between special tokens (which the tokenizer matches before pre-tokenizing)."""
-    chunks = [text]
-    for special in _SPECIAL_TOKENS:
-        chunks = [part for chunk in chunks for part in chunk.split(special)]
-    return [c for c in chunks if c]
+    return build_word_level_tokenizer(qwen2_dir, out_dir, _vocabulary_texts())
 
 
 def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: Path, seed: int = 0) -> QwenImagePipeline:
@@ -146,14 +102,4 @@ def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: 
 
 def save_shapes_pipeline(pipe: QwenImagePipeline, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
     """save_pretrained, with model_index.json naming the pixel VAE by its importable module."""
-    out_dir = Path(out_dir)
-    if dtype is not None:
-        for module in (pipe.transformer, pipe.text_encoder):
-            module.to(dtype)
-    pipe.save_pretrained(str(out_dir), safe_serialization=True)
-    index_file = out_dir / "model_index.json"
-    index = json.loads(index_file.read_text())
-    # save_pretrained records the top-level package ("serve_app"); diffusers imports the library
-    # name and looks the class up in it, so it needs the module that defines the class.
-    index["vae"] = [PixelPatchVAE.__module__, PixelPatchVAE.__name__]
-    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    save_pixel_space_pipeline(pipe, out_dir, dtype=dtype)

@@ -1,9 +1,9 @@
-"""The pixel-space VAE: exact space-to-depth, the AutoencoderKLQwenImage interface, save/load."""
+"""The pixel-space VAEs: exact space-to-depth, the AutoencoderKLQwenImage and AutoencoderKLWan interfaces, save/load."""
 
 import pytest
 import torch
 
-from serve_app.models.pixel_vae import PixelPatchVAE
+from serve_app.models.pixel_vae import PixelPatchVAE, PixelPatchVideoVAE
 
 
 @pytest.mark.parametrize("patch_size", [1, 2, 4])
@@ -34,3 +34,19 @@ def test_bad_arguments_are_refused():
         PixelPatchVAE(patch_size=1, latents_std=[2.0, 1.0, 1.0])
     with pytest.raises(ValueError, match=r"\[B, C, 1, H, W\]"):
         PixelPatchVAE().encode(torch.zeros(1, 3, 8, 8))
+
+
+def test_video_vae_folds_every_frame_alike_and_keeps_the_frame_count(tmp_path):
+    vae = PixelPatchVideoVAE(patch_size=2)
+    x = torch.rand(2, 3, 5, 8, 8) * 2 - 1
+    z = vae.encode(x).latent_dist.mode()
+    assert z.shape == (2, 12, 5, 4, 4)
+    for frame in range(5):  # frame by frame, the image VAE's folding
+        torch.testing.assert_close(z[:, :, frame : frame + 1], PixelPatchVAE(patch_size=2).encode(x[:, :, frame : frame + 1]).latent_dist.mode(), atol=0, rtol=0)
+    assert torch.equal(vae.decode(z, return_dict=False)[0], x)
+    # What WanPipeline reads from its VAE's config.
+    assert (vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.z_dim) == (1, 2, 12)
+    vae.save_pretrained(tmp_path)
+    assert PixelPatchVideoVAE.from_pretrained(tmp_path).config.scale_factor_spatial == 2
+    with pytest.raises(ValueError, match="temporal factor 1"):
+        PixelPatchVideoVAE(patch_size=2, scale_factor_temporal=4)
