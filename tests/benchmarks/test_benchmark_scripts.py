@@ -40,11 +40,15 @@ def assert_finite(report: dict) -> None:
 
 @pytest.mark.slow
 def test_bench_sampler(flowgrpo_home):
-    report = run_script("bench_sampler.py", "--repeats", "1", "--batch", "1", "--steps", "7", "--sizes", "tiny")
+    report = run_script("bench_sampler.py", "--repeats", "1", "--batch", "1", "--steps", "7", "--sizes", "tiny", "tiny-wan")
     assert_finite(report)
-    (case,) = report["cases"]
-    assert set(case["ratios"]) == {"ours_ode_vs_stock", "ours_sde_window2_vs_stock", "ours_sde_all_steps_vs_stock"}
-    assert all(v["median"] > 0 for v in case["seconds"].values())
+    image, video = report["cases"]
+    assert (image["frames"], video["frames"]) == (1, 9)
+    for case in (image, video):
+        assert set(case["ratios"]) == {"ours_ode_vs_stock", "ours_sde_window2_vs_stock", "ours_sde_all_steps_vs_stock"}
+        assert all(v["median"] > 0 for v in case["seconds"].values())
+        window, all_steps = case["trajectory_bytes_per_sample"].values()
+        assert 0 < window < all_steps  # the window keeps 2 steps' latents and log-probs, all-steps every step's
 
 
 @pytest.mark.slow
