@@ -31,9 +31,11 @@ test-fast: venv
 
 # FlowGRPO on CPU against the app deployed on a local Ray cluster (loopback only). Default: the
 # shipped shapes-world model learning to draw what its prompts ask (held-out accuracy in eval.csv).
-# `make demo STEPS=100` is shorter, `make demo OUT=outputs/mine` picks the output folder,
-# `make demo WORLD=brightness STEPS=60` runs the random tiny model on the brightness reward.
-STEPS ?= 400
+# `make demo STEPS=100` is shorter (the default: the world's trainer config's trainer.steps),
+# `make demo OUT=outputs/mine` picks the output folder, `make demo WORLD=video` trains the moving-shapes
+# video model (direction accuracy in eval.csv), `make demo WORLD=brightness STEPS=60` runs the random
+# tiny model on the brightness reward.
+STEPS ?=
 OUT ?= outputs/demo
 WORLD ?= shapes
 demo: venv

@@ -4,18 +4,21 @@
 # Ctrl-C or error.
 #   WORLD=shapes STEPS=100 OUT=outputs/demo scripts/demo.sh [trainer overrides...]
 # WORLD=shapes (default): the pretrained shapes-world model learns to draw what the prompt asks
-# (held-out strict accuracy in eval.csv); WORLD=brightness: the random tiny model, brightness reward.
+# (held-out strict accuracy in eval.csv); WORLD=video: the pretrained moving-shapes Wan model learns
+# to move its shape the way the prompt asks (direction accuracy in eval.csv); WORLD=brightness: the
+# random tiny model, brightness reward.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
-STEPS=${STEPS:-400}
+STEPS=${STEPS:-}  # empty: the trainer config's trainer.steps
 WORLD=${WORLD:-shapes}
 case "$WORLD" in
   shapes) APP_CONFIG=shapes_rollout; TRAINER_CONFIG=trainer/shapes ;;
+  video) APP_CONFIG=motion_rollout; TRAINER_CONFIG=trainer/motion ;;
   brightness) APP_CONFIG=diffusion_rollout; TRAINER_CONFIG=trainer/flowgrpo ;;
-  *) echo "demo: unknown WORLD=$WORLD (shapes or brightness)"; exit 2 ;;
+  *) echo "demo: unknown WORLD=$WORLD (shapes, video or brightness)"; exit 2 ;;
 esac
 OUT=${OUT:-outputs/demo-$(date +%Y%m%d-%H%M%S)}
 # On loopback, with token authentication (a fresh token per run unless one is given): see
@@ -94,8 +97,8 @@ for _ in $(seq 1 120); do
 done
 echo "$status" | grep -q "status: RUNNING" || { echo "demo: the app did not reach RUNNING"; echo "$status"; exit 1; }
 
-echo "demo: training $STEPS steps -> $OUT"
-"$PY" -m serve_app.trainer --config "$TRAINER_CONFIG" --steps "$STEPS" --out "$OUT" --address "$RAY_ADDRESS" "$@"
+echo "demo: training ${STEPS:-trainer.steps of $TRAINER_CONFIG} steps -> $OUT"
+"$PY" -m serve_app.trainer --config "$TRAINER_CONFIG" ${STEPS:+--steps "$STEPS"} --out "$OUT" --address "$RAY_ADDRESS" "$@"
 echo "demo: metrics in $OUT/metrics.csv, curve in $OUT/reward_curve.png"
 if [ -f "$OUT/eval.csv" ]; then
   echo "demo: evaluations in $OUT/eval.csv and the pictures $(cd "$OUT" && ls eval_accuracy.png eval_before*.png eval_after*.png 2>/dev/null | tr '\n' ' ')"

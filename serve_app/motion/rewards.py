@@ -1,10 +1,12 @@
 """Moving-shapes rewards: each prompt parsed with the motion grammar, each video checked.
 
 Video rewards (serve_app.rewards.video: ``(videos uint8 [B, F, 3, H, W], prompts) -> float32 [B]``)
-named by import path in a reward config (configs/reward/motion.yaml):
+named by import path in a reward config (configs/reward/motion.yaml, motion_direction.yaml):
 ``serve_app.motion.rewards:motion_strict`` (1.0 when every frame shows just the asked object and it
-moves the asked way, else 0.0) and ``serve_app.motion.rewards:motion_partial`` (``MotionVerdict.partial``:
-mean of the colour, shape and direction sub-scores). A prompt outside the grammar raises ValueError:
+moves the asked way, else 0.0), ``serve_app.motion.rewards:motion_direction`` (1.0 when the subject is
+found in every frame and moves the asked way, whatever it looks like) and
+``serve_app.motion.rewards:motion_partial`` (``MotionVerdict.partial``: mean of the colour, shape and
+direction sub-scores). A prompt outside the grammar raises ValueError:
 it is a configuration error, not a low score.
 """
 
@@ -33,6 +35,11 @@ def _verdict_reward(score: Callable[[MotionVerdict], float]) -> RewardFn:
 def motion_strict() -> RewardFn:
     """1.0 if every frame shows exactly the asked object and it moves in the asked direction, else 0.0."""
     return _verdict_reward(lambda v: float(v.strict))
+
+
+def motion_direction() -> RewardFn:
+    """1.0 if the subject is found in every frame and moves in the asked direction, else 0.0."""
+    return _verdict_reward(lambda v: float(v.direction_ok))
 
 
 def motion_partial() -> RewardFn:

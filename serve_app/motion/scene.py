@@ -120,22 +120,30 @@ class Trajectory:
     side: int
 
 
-def trajectory(direction: str, rng: np.random.Generator, *, frames: int = FRAMES, size: int = 32) -> Trajectory:
-    """A seeded straight path at constant speed: side from the shapes world's SIZE_RANGE, travel from
-    MIN_TRAVEL_FRAC of the image to all the room the object has, start and cross position anywhere
-    that keeps the whole object inside every frame (a shape cut by the border is no shape)."""
+def trajectory(direction: str, rng: np.random.Generator, *, frames: int = FRAMES, size: int = 32,
+               sides: Sequence[int] | None = None, min_travel_frac: float = MIN_TRAVEL_FRAC,
+               grid: int = 1) -> Trajectory:
+    """A seeded straight path at constant speed: side from the shapes world's SIZE_RANGE (or one of
+    ``sides``), travel from ``min_travel_frac`` of the image to all the room the object has, start and
+    cross position anywhere that keeps the whole object inside every frame (a shape cut by the border
+    is no shape). ``grid`` > 1 puts travel, start and cross position on multiples of ``grid`` px: a
+    narrower distribution of videos, for pretraining (as the shapes world's grid)."""
     if frames < 2:
         raise ValueError(f"a video needs at least 2 frames to move, got {frames}")
     dy, dx = DIRECTIONS[direction]
-    lo, hi = (max(3, round(f * size)) for f in SIZE_RANGE)
-    side = int(rng.integers(lo, hi + 1))
+    if sides:
+        side = int(sides[int(rng.integers(0, len(sides)))])
+    else:
+        lo, hi = (max(3, round(f * size)) for f in SIZE_RANGE)
+        side = int(rng.integers(lo, hi + 1))
     room = size - side
-    min_travel = round(MIN_TRAVEL_FRAC * size)
+    min_travel = round(min_travel_frac * size)
     if room < min_travel:
-        raise ValueError(f"a {size} px frame leaves no room to travel {min_travel} px")
-    travel = int(rng.integers(min_travel, room + 1))
-    start = int(rng.integers(0, room - travel + 1))
-    cross = int(rng.integers(0, room + 1))
+        raise ValueError(f"a {size} px frame leaves no room for a {side} px object to travel {min_travel} px")
+    g = grid
+    travel = g * int(rng.integers(-(-min_travel // g), room // g + 1))
+    start = g * int(rng.integers(0, (room - travel) // g + 1))
+    cross = g * int(rng.integers(0, room // g + 1))
     # Positions along the path from the near edge's side; a negative step runs it from the far end.
     along = np.rint(start + travel * np.linspace(0.0, 1.0, frames)).astype(int)
     if dy + dx < 0:
@@ -145,9 +153,12 @@ def trajectory(direction: str, rng: np.random.Generator, *, frames: int = FRAMES
     return Trajectory(corners, side)
 
 
-def render(spec: MotionSpec, rng: np.random.Generator, *, frames: int = FRAMES, size: int = 32) -> np.ndarray:
-    """uint8 [frames, 3, size, size]: the object drawn along a seeded :func:`trajectory` on the background."""
-    path = trajectory(spec.direction, rng, frames=frames, size=size)
+def render(spec: MotionSpec, rng: np.random.Generator, *, frames: int = FRAMES, size: int = 32,
+           sides: Sequence[int] | None = None, min_travel_frac: float = MIN_TRAVEL_FRAC, grid: int = 1) -> np.ndarray:
+    """uint8 [frames, 3, size, size]: the object drawn along a seeded :func:`trajectory` (its keyword
+    arguments) on the background."""
+    path = trajectory(spec.direction, rng, frames=frames, size=size, sides=sides, min_travel_frac=min_travel_frac,
+                      grid=grid)
     mask = shape_mask(spec.obj.shape, path.side, path.side)
     video = np.empty((frames, size, size, 3), dtype=np.uint8)
     video[:] = BACKGROUND

@@ -41,3 +41,11 @@ def test_motion_reward_config_weights_strict_and_partial():
     prompts = ["a red circle moving left to right"] * 2
     values = {k: build_reward(c.name, **c.args)(videos, prompts) for k, c in zip(composite.keys, components)}
     assert composite.total(values).tolist() == pytest.approx([1.5, 0.5 * 2 / 3])
+
+
+def test_direction_reward_ignores_colour_and_shape_but_not_the_way():
+    asked = ["a red circle moving left to right"] * 3
+    videos = videos_of("blue square left to right", "red circle right to left", "red circle left to right")
+    assert build_reward("serve_app.motion.rewards:motion_direction")(videos, asked).tolist() == [1.0, 0.0, 1.0]
+    components = load_config("motion_rollout").reward.components
+    assert [c.name.rsplit(":", 1)[1] for c in components] == ["motion_direction", "motion_partial"]

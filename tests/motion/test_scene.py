@@ -88,3 +88,18 @@ def test_renders_are_seeded():
     assert render(spec, np.random.default_rng(3), frames=3).shape == (3, 3, 32, 32)
     with pytest.raises(ValueError, match="at least 2 frames"):
         trajectory("left to right", np.random.default_rng(0), frames=1)
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_pretraining_narrows_paths_to_given_sides_travel_and_grid(direction):
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        path = trajectory(direction, rng, frames=4, sides=(12,), min_travel_frac=0.5, grid=4)
+        assert path.side == 12
+        axis = 0 if DIRECTIONS[direction][0] else 1
+        along, across = path.corners[:, axis], path.corners[:, 1 - axis]
+        assert abs(int(along[-1] - along[0])) in (16, 20)  # at least half of 32 px, on the 4-px grid
+        assert along[0] % 4 == 0 and across[0] % 4 == 0 and (across == across[0]).all()
+        assert path.corners.min() >= 0 and path.corners.max() <= 32 - 12
+    with pytest.raises(ValueError, match="no room"):
+        trajectory(direction, rng, sides=(20,), min_travel_frac=0.5)
