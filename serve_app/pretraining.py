@@ -190,7 +190,6 @@ def pretrain_world(config: FlowPretrainSettings, out_dir: str | Path, *, build: 
     gives (uint8 samples, indices into ``batches.prompts``), ``encode(policy, samples in [0, 1])``
     their latents, ``evaluate(policy)`` the scores logged and saved with the (EMA) weights to
     ``out_dir`` at every evaluation. Returns the log entries (also in out_dir/pretrain_log.jsonl)."""
-    torch.set_num_threads(config.torch_threads)
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as scratch:
         pipe = build(Path(scratch) / "untrained")

@@ -62,9 +62,14 @@ def per_video(found: Sequence[MotionVerdict]) -> dict[str, list[float]]:
     }
 
 
+def means(per_sample: dict[str, list[float]]) -> dict[str, float]:
+    """Each column's mean over the videos."""
+    return {column: sum(values) / len(values) for column, values in per_sample.items()}
+
+
 def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, float]:
     """Mean of every EVAL_COLUMNS figure over the videos."""
-    return {column: sum(values) / len(values) for column, values in per_video(verdicts(videos, prompts)).items()}
+    return means(per_video(verdicts(videos, prompts)))
 
 
 def verdict_label(verdict: MotionVerdict) -> str:
@@ -120,8 +125,7 @@ class MotionEvaluator(ShapesEvaluator):
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> SplitScores:
         values = per_video(verdicts(images, prompts))
-        means = {column: sum(v) / len(v) for column, v in values.items()}
-        return SplitScores(means | accuracy_intervals(values), values[self.headline])
+        return SplitScores(means(values) | accuracy_intervals(values), values[self.headline])
 
     def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str) -> None:
         save_filmstrips(images, prompts, path, columns=columns, title=title)

@@ -96,10 +96,5 @@ def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: 
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    save_shapes_pipeline(pipe, out_dir)
+    save_pixel_space_pipeline(pipe, out_dir)
     return pipe
-
-
-def save_shapes_pipeline(pipe: QwenImagePipeline, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
-    """save_pretrained, with model_index.json naming the pixel VAE by its importable module."""
-    save_pixel_space_pipeline(pipe, out_dir, dtype=dtype)
