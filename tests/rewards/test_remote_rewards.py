@@ -53,17 +53,19 @@ def serve(respond, delay_s: float = 0.0):
             try:
                 time.sleep(stub.delay_s)
                 status, reply, *extra = stub.respond(index, body, dict(self.headers))
-                payload = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
-                self.send_response(status)
-                for key, value in (extra[0] if extra else {}).items():
-                    self.send_header(key, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
             finally:
+                # Leave the count before the reply goes out: once the client has read it, it may
+                # start its next request, and that one must not overlap this one in the count.
                 with stub.lock:
                     stub.in_flight -= 1
+            payload = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+            self.send_response(status)
+            for key, value in (extra[0] if extra else {}).items():
+                self.send_header(key, value)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
 
         def log_message(self, *args):
             pass
