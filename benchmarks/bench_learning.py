@@ -1,18 +1,21 @@
-"""How fast FlowGRPO raises held-out strict accuracy in the shapes world, per sampler setting.
+"""How fast FlowGRPO raises strict accuracy in the shapes world, per sampler setting.
 
 Each variant trains a fresh LoRA on the shipped shapes model from configs/trainer/shapes.yaml,
 against the app built by build_app in Serve's local testing mode (the deployed graph's code -
 ingress, replica, aggregator, weight store - in one process, without the cluster), and evaluates
-the held-out prompts x fixed seeds with the ODE every few steps. Variants run one after another
-within each repeat, so machine noise hits them alike; repeats change the trainer seed (rollout
-noise), never the evaluation seeds.
+fixed prompts x fixed seeds with the ODE at fixed marks of training time, so every variant is
+measured on the same clock. Variants run one after another within each repeat, so machine noise
+hits them alike; repeats change the trainer seed (rollout noise), never the evaluation seeds.
 
-    .venv/bin/python benchmarks/bench_learning.py [--minutes 8] [--repeats 1] [--eval-every 5]
+    .venv/bin/python benchmarks/bench_learning.py [--minutes 15] [--repeats 3] [--eval-every-minutes 2.5]
 
-Prints JSON: per variant and repeat the evaluation curve (strict accuracy and sub-scores against
-training minutes - rollouts + updates, evaluations excluded - and images sampled), and per variant
-the min/median/max over repeats of the gain in strict-accuracy points and of the minutes and images
-it took to gain 10 and 20 points (null when not reached).
+Prints JSON: per variant and repeat the evaluation curve (strict accuracy and sub-scores with their
+95% intervals, and the paired change against step 0 with its interval, against training minutes -
+rollouts + updates, evaluations excluded - and images sampled), and per variant and split the
+min/median/max over repeats of the final change in strict-accuracy points, how many repeats'
+final change is distinguishable from zero, and the minutes and images it took to gain 10 and 20
+points (null when not reached). With --out, the JSON is rewritten after every run, so a long
+benchmark stopped early keeps the repeats it finished ("complete": false).
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ from serve_app.local_ray import loopback_ray_env
 loopback_ray_env()
 
 VARIANTS: dict[str, list[str]] = {
-    "default": [],  # configs/trainer/shapes.yaml as shipped
-    "fast_window2": ["sampling.sde_window_size=2"],  # Flow-GRPO-Fast: 2 stochastic steps in [0, 5)
-    "full_sde": ["sampling.sde_window_size=null"],  # every step but the last stochastic and trained
+    # configs/trainer/shapes.yaml as shipped: Flow-GRPO-Fast (2 stochastic steps starting in [0, 5) of
+    # 10), shared group noise, the next rollout in flight during the update (max_staleness 1).
+    "demo": [],
+    # Every step but the last stochastic and trained (the original Flow-GRPO); all else as the demo.
+    "full_sde": ["sampling.sde_window_size=null"],
+    # Flow-GRPO-Fast without the throughput levers: independent noise, strictly on-policy.
+    "fast_plain": ["sampling.group_noise=independent", "trainer.max_staleness=0"],
 }
+NEVER = 10**9  # trainer.eval_every: the benchmark evaluates on its own clock, not every N steps
 
 
 def _first_reaching(rows: list[dict], gain: float, key: str) -> float | None:
@@ -53,7 +61,7 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
             "of": len(values)}
 
 
-def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every: int,
+def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every_minutes: float,
                 seed: int, work: Path, splits: list[str], samples: int) -> list[dict]:
     from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
@@ -64,32 +72,58 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
     app_overrides = [f"replica.weights_dir={run_dir / 'weights'}", *[o for o in overrides if o.startswith("sampling.")]]
     handle = run_local(AppArgs(config="shapes_rollout", overrides=app_overrides), name=f"bench-{name}-{seed}")
     config = load_trainer_config("trainer/shapes", [
-        *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={eval_every}",
+        *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={NEVER}",
         f"trainer.steps={max_steps}", "trainer.image_every=0", "trainer.checkpoint_every=0",
         f"trainer.evaluation.args.splits=[{','.join(splits)}]", f"trainer.evaluation.samples_per_prompt={samples}",
     ])
     trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
                               policy=load_trainer_policy(config), progress=False)
     trainer.evaluate()
+    next_eval_s = eval_every_minutes * 60
     while trainer.step < max_steps and sum(trainer.step_seconds) < minutes * 60:
         trainer.train_step()
+        if sum(trainer.step_seconds) >= next_eval_s:
+            trainer.evaluate()
+            next_eval_s += eval_every_minutes * 60
     if trainer.evaluator.rows[-1]["step"] != trainer.step:
         trainer.evaluate()
     trainer.finish()
     return [dict(r) for r in trainer.evaluator.rows]
 
 
+def summarize(repeats: list[list[dict]], split: str) -> dict:
+    """One split's figures over repeats; each repeat's rows are that run's evaluations in order."""
+    curves = [[r for r in rows if r["split"] == split] for rows in repeats]
+    finals = [c[-1] for c in curves]
+    return {
+        "strict_change_points": _spread([100 * f["strict_accuracy_change"] for f in finals]),
+        "strict_change_interval_points": [[100 * f["strict_accuracy_change_lo"], 100 * f["strict_accuracy_change_hi"]]
+                                          for f in finals],
+        # Distinguishable from zero: the final paired 95% interval excludes 0.
+        "repeats_above_zero": sum(f["strict_accuracy_change_lo"] > 0 for f in finals),
+        "repeats_below_zero": sum(f["strict_accuracy_change_hi"] < 0 for f in finals),
+        "best_strict_change_points": _spread([100 * (max(x["strict_accuracy"] for x in c) - c[0]["strict_accuracy"])
+                                              for c in curves]),
+        "minutes_to_plus_10": _spread([_first_reaching(c, 0.10, "train_minutes") for c in curves]),
+        "images_to_plus_10": _spread([_first_reaching(c, 0.10, "images_sampled") for c in curves]),
+        "minutes_to_plus_20": _spread([_first_reaching(c, 0.20, "train_minutes") for c in curves]),
+        "images_to_plus_20": _spread([_first_reaching(c, 0.20, "images_sampled") for c in curves]),
+        "steps": _spread([c[-1]["step"] for c in curves]),
+        "images_sampled": _spread([c[-1]["images_sampled"] for c in curves]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=8.0, help="training wall-clock per variant and repeat")
+    parser.add_argument("--minutes", type=float, default=15.0, help="training wall-clock per variant and repeat")
     parser.add_argument("--max-steps", type=int, default=1000)
-    parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--samples-per-prompt", type=int, default=4, help="fixed evaluation seeds per prompt")
-    parser.add_argument("--splits", default="held_out",
-                        help="comma-separated splits to evaluate; the first is the one compared (train has 5x the prompts)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--eval-every-minutes", type=float, default=2.5, help="evaluate at these marks of training time")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--samples-per-prompt", type=int, default=32,
+                        help="fixed evaluation seeds per prompt (32 x the 14 held-out prompts: a paired interval of ~+-5 points)")
+    parser.add_argument("--splits", default="held_out", help="comma-separated splits to evaluate (train has 76 prompts)")
+    parser.add_argument("--variants", default="demo,full_sde", help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--out", default=None, help="also write the JSON here, after every run")
     args = parser.parse_args()
 
     import torch
@@ -102,45 +136,42 @@ def main() -> None:
         key = load_trainer_config("trainer/shapes", VARIANTS[name]).model_dump_json()
         same_as[name] = next((other for other, k in resolved.items() if k == key), None)
         resolved.setdefault(name, key)
-    runs: dict[str, list[list[dict]]] = {name: [] for name in same_as}
+    splits = args.splits.split(",")
+    runs: dict[str, list[list[dict]]] = {name: [] for name in same_as if same_as[name] is None}
     started = time.perf_counter()
+
+    def report(complete: bool) -> dict:
+        variants = {}
+        for name, other in same_as.items():
+            repeats = runs[other or name]
+            variants[name] = {"overrides": VARIANTS[name], "same_run_as": other, "repeats_done": len(repeats)}
+            if repeats:
+                variants[name].update({split: summarize(repeats, split) for split in splits}, curves=repeats)
+        return {
+            "benchmark": "bench_learning",
+            "complete": complete,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "torch_threads": torch.get_num_threads()},
+            "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps,
+                         "eval_every_minutes": args.eval_every_minutes, "repeats": args.repeats,
+                         "trainer_config": "trainer/shapes", "splits": splits,
+                         "samples_per_prompt": args.samples_per_prompt,
+                         "eval": "each split's prompts x samples_per_prompt fixed seeds (train capped by "
+                                 "max_images_per_split), ODE, validation.num_steps; paired change vs step 0"},
+            "total_minutes": (time.perf_counter() - started) / 60,
+            "variants": variants,
+        }
+
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as scratch:
         for repeat in range(args.repeats):
             for name in runs:
-                if same_as[name] is None:
-                    rows = run_variant(name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
-                                       eval_every=args.eval_every, seed=repeat, work=Path(scratch),
-                                       splits=args.splits.split(","), samples=args.samples_per_prompt)
-                    runs[name].append(rows)
-    for name, other in same_as.items():
-        if other is not None:
-            runs[name] = runs[other]
-
-    variants = {}
-    for name, repeats in runs.items():
-        variants[name] = {
-            "overrides": VARIANTS[name],
-            "same_run_as": same_as[name],
-            "strict_gain_points": _spread([100 * (r[-1]["strict_accuracy"] - r[0]["strict_accuracy"]) for r in repeats]),
-            "best_strict_gain_points": _spread(
-                [100 * (max(x["strict_accuracy"] for x in r) - r[0]["strict_accuracy"]) for r in repeats]),
-            "minutes_to_plus_10": _spread([_first_reaching(r, 0.10, "train_minutes") for r in repeats]),
-            "images_to_plus_10": _spread([_first_reaching(r, 0.10, "images_sampled") for r in repeats]),
-            "minutes_to_plus_20": _spread([_first_reaching(r, 0.20, "train_minutes") for r in repeats]),
-            "images_to_plus_20": _spread([_first_reaching(r, 0.20, "images_sampled") for r in repeats]),
-            "curves": repeats,
-        }
-    result = {
-        "benchmark": "bench_learning",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps, "eval_every": args.eval_every,
-                     "repeats": args.repeats, "trainer_config": "trainer/shapes", "splits": args.splits,
-                     "samples_per_prompt": args.samples_per_prompt,
-                     "eval": "the first of `splits` x samples_per_prompt fixed seeds, ODE, validation.num_steps"},
-        "total_minutes": (time.perf_counter() - started) / 60,
-        "variants": variants,
-    }
-    text = json.dumps(result, indent=2)
+                runs[name].append(run_variant(
+                    name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
+                    eval_every_minutes=args.eval_every_minutes, seed=repeat, work=Path(scratch), splits=splits,
+                    samples=args.samples_per_prompt))
+                if args.out:
+                    Path(args.out).write_text(json.dumps(report(complete=False), indent=2) + "\n")
+    text = json.dumps(report(complete=True), indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

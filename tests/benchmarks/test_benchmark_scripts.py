@@ -63,12 +63,17 @@ def test_bench_serve(flowgrpo_home):
 
 @pytest.mark.slow
 def test_bench_learning(flowgrpo_home):
-    report = run_script("bench_learning.py", "--minutes", "0.01", "--max-steps", "1", "--eval-every", "1",
-                        "--samples-per-prompt", "1", "--variants", "default", "--splits", "held_out")
+    report = run_script("bench_learning.py", "--minutes", "0.01", "--max-steps", "1", "--repeats", "1",
+                        "--samples-per-prompt", "1", "--variants", "fast_plain", "--splits", "held_out")
     assert_finite(report)
-    (curve,) = report["variants"]["default"]["curves"]
+    assert report["complete"]
+    (curve,) = report["variants"]["fast_plain"]["curves"]
     assert [row["step"] for row in curve] == [0, 1]
     assert all(0.0 <= row["strict_accuracy"] <= 1.0 for row in curve)
+    held_out = report["variants"]["fast_plain"]["held_out"]
+    change = 100 * curve[-1]["strict_accuracy_change"]
+    assert held_out["strict_change_points"]["median"] == pytest.approx(change)
+    assert held_out["steps"]["median"] == 1 and held_out["images_sampled"]["median"] == 64
 
 
 @pytest.mark.slow
