@@ -1,7 +1,8 @@
 """RewardServer: one reward component on a deployment of its own (resources, replicas, runtime_env),
-a thin Serve shell over the reward the registry builds. Called by handle with uint8 image tensors and
-prompts; concurrent calls are fused into one reward call (@serve.batch, serve_app.rewards.composite.
-score_fused). Values come back unchecked: the caller checks them (shape, finiteness) and retries."""
+a thin Serve shell over the reward the registry builds. Called by handle with uint8 images
+[B, 3, H, W] or videos [B, F, 3, H, W] and prompts; concurrent calls are fused into one reward call
+(@serve.batch, serve_app.rewards.composite.score_fused). Values come back unchecked: the caller
+checks them (shape, finiteness) and retries."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from ray.serve import metrics
 
 from serve_app.options import check_reward_server_options
 from serve_app.rewards.composite import RewardSpec, resolve_groupwise, score_fused
-from serve_app.rewards.registry import build_reward, check_image_batch
+from serve_app.rewards.registry import build_reward
+from serve_app.rewards.video import check_sample_batch
 
 
 class RewardServer:
@@ -33,12 +35,12 @@ class RewardServer:
             boundaries=[1, 2, 4, 8, 16, 32, 64], tag_keys=("reward",),
         )
         self.images_scored = metrics.Counter(
-            "flowgrpo_reward_server_images", description="Images scored by a RewardServer.", tag_keys=("reward",)
+            "flowgrpo_reward_server_images", description="Samples (images or videos) scored by a RewardServer.", tag_keys=("reward",)
         )
 
     async def score(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """The reward of each image ([B] values); raises what the reward raised on these images."""
-        check_image_batch(images, prompts)
+        """The reward of each image or video ([B] values); raises what the reward raised on them."""
+        check_sample_batch(images, prompts)
         result = await self._score_fused((images, list(prompts)))
         if isinstance(result, Exception):
             raise result

@@ -12,8 +12,8 @@ from typing import Any, Literal, Protocol, Sequence, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .registry import RewardFn, build_reward, check_image_batch, declares_groupwise
-from .video import check_video_batch
+from .registry import RewardFn, build_reward, declares_groupwise
+from .video import check_sample_batch
 
 ArgValue = Union[bool, int, float, str, list]
 RuntimeEnvValue = Union[str, list[str], dict[str, str]]
@@ -175,15 +175,6 @@ def checked_values(name: str, prompt: str | None, raw: object, batch: int) -> to
         i = int(bad[0])
         raise RewardError(name, prompt, f"returned non-finite value {values[i].item()} at index {i}")
     return values
-
-
-def check_sample_batch(images: torch.Tensor, prompts: Sequence[str]) -> None:
-    """Images uint8 [B, 3, H, W], or - from a video family - videos uint8 [B, F, 3, H, W], which only
-    video rewards (serve_app.rewards.video) take; raises ValueError otherwise."""
-    if isinstance(images, torch.Tensor) and images.ndim == 5:
-        check_video_batch(images, prompts)
-    else:
-        check_image_batch(images, prompts)
 
 
 def _describe(exc: BaseException) -> str:

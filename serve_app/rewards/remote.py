@@ -18,14 +18,21 @@ A failure after the last attempt raises :class:`RemoteRewardError` naming the en
 cause and the number of attempts; a CompositeReward turns it into a RewardError naming the reward
 and the prompt, so an error is never scored as a number.
 
-``remote_score`` schema (one POST per batch, or per ``batch_size`` images)::
+Both take images uint8 ``[B, 3, H, W]`` or, from a video family, videos uint8 ``[B, F, 3, H, W]``
+(one score per video, judged as a whole: a judge that sees the frames in order can tell a direction
+of motion, which no reduction of per-frame scores can).
+
+``remote_score`` schema (one POST per batch, or per ``batch_size`` samples)::
 
     request:  {"images": ["<base64 PNG>", ...], "prompts": ["<prompt of image i>", ...]}
-    response: {"scores": [<finite number>, ...]}      # one per image, same order; other keys ignored
+          or  {"videos": [["<base64 PNG of frame 0>", ...], ...], "prompts": ["<prompt of video i>", ...]}
+    response: {"scores": [<finite number>, ...]}      # one per image or video, same order; other keys ignored
 
-``vlm_judge``: one ``POST {base_url}/chat/completions`` per image, a user message holding the
-question (``question.format(prompt=...)``) and the image as a ``data:image/png;base64,...`` URL;
-the reply's ``choices[0].message.content`` is parsed by :func:`parse_score`.
+``vlm_judge``: one ``POST {base_url}/chat/completions`` per sample, a user message holding the
+question (``question.format(prompt=...)``, or ``video_question`` for a video) and then the image, or
+up to ``max_frames`` frames of the video evenly spaced in time order (the first and the last
+included), each as a ``data:image/png;base64,...`` URL - the multi-image form OpenAI-compatible VLM
+servers accept; the reply's ``choices[0].message.content`` is parsed by :func:`parse_score`.
 """
 
 from __future__ import annotations
@@ -51,15 +58,21 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .registry import RewardFn, check_image_batch, register_reward
+from .registry import RewardFn, register_reward
+from .video import check_sample_batch
 
-__all__ = ["JsonPoster", "RemoteRewardError", "encode_png_base64", "parse_score", "remote_score", "vlm_judge"]
+__all__ = ["JsonPoster", "RemoteRewardError", "encode_png_base64", "encode_samples", "parse_score", "remote_score",
+           "spaced_frames", "vlm_judge"]
 
 _MAX_RESPONSE_BYTES = 8 << 20  # a reply of scores is a few kB; refuse to buffer anything huge
 
 DEFAULT_QUESTION = (
     'Does this image show "{prompt}"? Rate how well it matches from 0 (not at all) to 10 (perfectly). '
     "Reply in the form 'Score: N'."
+)
+DEFAULT_VIDEO_QUESTION = (
+    'These are frames of one video, in time order. Does the video show "{prompt}"? Rate how well it '
+    "matches from 0 (not at all) to 10 (perfectly). Reply in the form 'Score: N'."
 )
 
 
@@ -251,6 +264,26 @@ def encode_png_base64(images: torch.Tensor) -> list[str]:
     return encoded
 
 
+def encode_samples(samples: torch.Tensor) -> list[str] | list[list[str]]:
+    """One base64 PNG per image of ``[B, 3, H, W]``, or per video of ``[B, F, 3, H, W]`` the list of its
+    frames' PNGs in time order."""
+    if samples.ndim == 4:
+        return encode_png_base64(samples)
+    frames = samples.shape[1]
+    flat = encode_png_base64(samples.flatten(0, 1))
+    return [flat[i : i + frames] for i in range(0, len(flat), frames)]
+
+
+def spaced_frames(num_frames: int, max_frames: int) -> list[int]:
+    """At most ``max_frames`` frame indices evenly spaced over ``num_frames``, the first and the last
+    included when there are two or more, in time order without repeats."""
+    if num_frames <= max_frames:
+        return list(range(num_frames))
+    if max_frames == 1:
+        return [0]
+    return [round(k * (num_frames - 1) / (max_frames - 1)) for k in range(max_frames)]
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -285,21 +318,22 @@ def remote_score(
         max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, api_key_env=api_key_env,
     )
 
-    def score_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
-        images, prompts = chunk
-        reply = poster.post({"images": images, "prompts": prompts})
+    def score_chunk(chunk: tuple[str, list[Any], list[str]]) -> list[float]:
+        kind, samples, prompts = chunk
+        reply = poster.post({kind: samples, "prompts": prompts})
         scores = reply.get("scores") if isinstance(reply, dict) else None
-        if not isinstance(scores, list) or len(scores) != len(images) or not all(_is_number(s) for s in scores):
+        if not isinstance(scores, list) or len(scores) != len(samples) or not all(_is_number(s) for s in scores):
             raise RemoteRewardError(
-                url, f'reply must be {{"scores": [{len(images)} numbers]}}, got {_snippet(json.dumps(reply).encode())}', None
+                url, f'reply must be {{"scores": [{len(samples)} numbers]}}, got {_snippet(json.dumps(reply).encode())}', None
             )
         return [float(s) for s in scores]
 
-    def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        check_image_batch(images, prompts)
-        encoded = encode_png_base64(images)
+    def reward(samples: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_sample_batch(samples, prompts)
+        kind = "videos" if samples.ndim == 5 else "images"
+        encoded = encode_samples(samples)
         step = batch_size or len(encoded)
-        chunks = [(encoded[i : i + step], list(prompts[i : i + step])) for i in range(0, len(encoded), step)]
+        chunks = [(kind, encoded[i : i + step], list(prompts[i : i + step])) for i in range(0, len(encoded), step)]
         scores = [s for part in _parallel(score_chunk, chunks, max_concurrency) for s in part]
         return torch.tensor(scores, dtype=torch.float32)
 
@@ -365,6 +399,8 @@ def vlm_judge(
     base_url: str,
     model: str,
     question: str = DEFAULT_QUESTION,
+    video_question: str = DEFAULT_VIDEO_QUESTION,
+    max_frames: int = 8,
     min_score: float = 0.0,
     max_score: float = 10.0,
     max_tokens: int = 64,
@@ -376,14 +412,19 @@ def vlm_judge(
     max_concurrency: int = 4,
     api_key_env: str | None = None,
 ) -> RewardFn:
-    """reward = the score an OpenAI-compatible vision-language model gives each image (module doc).
+    """reward = the score an OpenAI-compatible vision-language model gives each image or video (module doc).
 
     ``base_url``: the API root, e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is
-    appended); ``model``: the served model name; ``question``: a template with ``{prompt}``;
-    the reply is parsed by :func:`parse_score` within ``[min_score, max_score]``. Images of a batch
-    are judged concurrently within ``max_concurrency``. Transport arguments: see the module doc.
+    appended); ``model``: the served model name; ``question`` / ``video_question``: templates with
+    ``{prompt}`` for an image / a video, of which at most ``max_frames`` frames are sent (servers cap
+    images per request, e.g. vLLM's ``--limit-mm-per-prompt``); the reply is parsed by
+    :func:`parse_score` within ``[min_score, max_score]``. Samples of a batch are judged concurrently
+    within ``max_concurrency``. Transport arguments: see the module doc.
     """
     _check_question(question)
+    _check_question(video_question)
+    if max_frames < 1:
+        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
     if not min_score < max_score:
         raise ValueError(f"need min_score < max_score, got {min_score} and {max_score}")
     url = base_url.rstrip("/") + "/chat/completions"
@@ -392,15 +433,16 @@ def vlm_judge(
         max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, api_key_env=api_key_env,
     )
 
-    def judge(item: tuple[str, str]) -> float:
-        image_b64, prompt = item
+    def judge(item: tuple[str | list[str], str]) -> float:
+        sample, prompt = item
+        template, pictures = (video_question, sample) if isinstance(sample, list) else (question, [sample])
         reply = poster.post({
             "model": model,
             "messages": [{
                 "role": "user",
                 "content": [
-                    {"type": "text", "text": question.format(prompt=prompt)},
-                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image_b64}"}},
+                    {"type": "text", "text": template.format(prompt=prompt)},
+                    *({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}} for b64 in pictures),
                 ],
             }],
             "max_tokens": max_tokens,
@@ -411,9 +453,11 @@ def vlm_judge(
         except ValueError as e:
             raise RemoteRewardError(url, str(e), None) from None
 
-    def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        check_image_batch(images, prompts)
-        items = list(zip(encode_png_base64(images), prompts))
+    def reward(samples: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_sample_batch(samples, prompts)
+        if samples.ndim == 5:
+            samples = samples[:, spaced_frames(samples.shape[1], max_frames)]
+        items = list(zip(encode_samples(samples), prompts))
         return torch.tensor(_parallel(judge, items, max_concurrency), dtype=torch.float32)
 
     return reward

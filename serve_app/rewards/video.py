@@ -19,7 +19,7 @@ from typing import Any, Literal, Sequence
 
 import torch
 
-from .registry import RewardFn, build_reward, declares_groupwise, register_reward
+from .registry import RewardFn, build_reward, check_image_batch, declares_groupwise, register_reward
 
 
 def check_video_batch(videos: torch.Tensor, prompts: Sequence[str]) -> None:
@@ -34,6 +34,15 @@ def check_video_batch(videos: torch.Tensor, prompts: Sequence[str]) -> None:
 
 
 _REDUCTIONS = ("mean", "min")
+
+
+def check_sample_batch(samples: torch.Tensor, prompts: Sequence[str]) -> None:
+    """Images uint8 [B, 3, H, W], or - from a video family - videos uint8 [B, F, 3, H, W]; raises
+    ValueError otherwise. Rewards that take either (the remote ones, a RewardServer) check with this."""
+    if isinstance(samples, torch.Tensor) and samples.ndim == 5:
+        check_video_batch(samples, prompts)
+    else:
+        check_image_batch(samples, prompts)
 
 
 @register_reward("frames")

@@ -1,5 +1,5 @@
 """Videos through the whole graph (Serve's local testing mode, model=tiny_wan): uint8 [B, F, 3, H, W]
-trajectories in whole groups, video rewards, the version stamp, chunks and the work budget counted in
+trajectories in whole groups, video rewards (one on a reward deployment), the version stamp, chunks and the work budget counted in
 latent frames (422 / 413 naming the field), and the HTTP answer's MP4s."""
 
 import base64
@@ -17,6 +17,8 @@ from serve_app.weights import BASE_HASH
 OVERRIDES = [
     "model=tiny_wan", "reward=video_brightness", "sampling.num_steps=3", "sampling.sde_window_range=[0,1]",
     "ingress.chunk_size=4", "ingress.max_samples=12", "model.max_request_work=4096",
+    # One video reward on a RewardServer deployment of its own: it takes [B, F, 3, H, W] like one in process.
+    "reward.components.1.placement=deployment",
 ]
 VIDEO = {"num_frames": 5}  # 2 latent frames of 4x4 tokens
 

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from serve_app.rewards import CompositeReward, RewardError, build_reward
-from serve_app.rewards.remote import JsonPoster, RemoteRewardError, parse_score
+from serve_app.rewards.remote import JsonPoster, RemoteRewardError, parse_score, spaced_frames
 
 FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}  # retries without waiting seconds
 
@@ -304,6 +304,62 @@ def test_vlm_judge_sends_a_chat_completion_and_parses_the_score():
     prefix = "data:image/png;base64,"
     assert image["type"] == "image_url" and image["image_url"]["url"].startswith(prefix)
     assert np.array_equal(decode(image["image_url"]["url"][len(prefix):]), images[0].permute(1, 2, 0).numpy())
+
+
+def video_noise(b, frames, size=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (b, frames, 3, size, size), dtype=torch.uint8, generator=g)
+
+
+def test_remote_score_sends_each_video_as_its_frames_in_order():
+    videos, prompts = video_noise(3, frames=4), ["a", "bb", "ccc"]
+
+    def mean_of_last_frame(index, body, headers):
+        assert "images" not in body
+        return 200, {"scores": [float(decode(frames[-1]).mean()) for frames in body["videos"]]}
+
+    with serve(mean_of_last_frame) as stub:
+        scores = build_reward("remote_score", url=stub.url + "/score", batch_size=2)(videos, prompts)
+    expected = videos[:, -1].double().mean(dim=(1, 2, 3))
+    torch.testing.assert_close(scores.double(), expected, rtol=0, atol=1e-4)
+    assert sorted(len(body["videos"]) for _, body, _ in stub.requests) == [1, 2]
+    first = next(body for _, body, _ in stub.requests if body["prompts"][0] == "a")
+    assert [decode(f).tolist() for f in first["videos"][0]] == [f.permute(1, 2, 0).tolist() for f in videos[0]]
+
+
+def test_vlm_judge_sees_a_video_as_evenly_spaced_frames_in_one_message():
+    videos = video_noise(2, frames=9)
+
+    def judge(index, body, headers):
+        return 200, {"choices": [{"message": {"role": "assistant", "content": "Score: 6"}}]}
+
+    with serve(judge) as stub:
+        reward = build_reward("vlm_judge", base_url=stub.url + "/v1", model="qwen-vl", max_frames=3)
+        scores = reward(videos, ["a ball moving left", "a cube"])
+    assert scores.tolist() == [6.0, 6.0]
+    assert len(stub.requests) == 2  # one judgement per video, not per frame
+    body = next(b for _, b, _ in stub.requests if '"a ball moving left"' in b["messages"][0]["content"][0]["text"])
+    text, *pictures = body["messages"][0]["content"]
+    assert text["text"].startswith('These are frames of one video, in time order. Does the video show "a ball moving left"?')
+    prefix = "data:image/png;base64,"
+    sent = [decode(p["image_url"]["url"][len(prefix):]) for p in pictures]
+    assert [s.tolist() for s in sent] == [videos[0, k].permute(1, 2, 0).tolist() for k in (0, 4, 8)]
+
+
+@pytest.mark.parametrize(("num_frames", "max_frames", "indices"), [
+    (4, 8, [0, 1, 2, 3]), (9, 3, [0, 4, 8]), (81, 5, [0, 20, 40, 60, 80]), (10, 4, [0, 3, 6, 9]), (5, 1, [0]),
+    (7, 6, [0, 1, 2, 4, 5, 6]),
+])
+def test_spaced_frames_are_in_order_without_repeats_ending_on_the_last(num_frames, max_frames, indices):
+    assert spaced_frames(num_frames, max_frames) == indices
+
+
+def test_remote_rewards_reject_what_is_neither_images_nor_videos():
+    reward = build_reward("remote_score", url="http://127.0.0.1:9/score")
+    with pytest.raises(ValueError, match=r"videos must be a uint8 tensor \[B, F, 3, H, W\]"):
+        reward(torch.zeros(2, 3, 1, 8, 8, dtype=torch.uint8), ["a", "b"])  # channels where frames go
+    with pytest.raises(ValueError, match="max_frames"):
+        build_reward("vlm_judge", base_url="http://127.0.0.1:9/v1", model="m", max_frames=0)
 
 
 @pytest.mark.parametrize("content", ["no idea", "Score: 12", ""])
