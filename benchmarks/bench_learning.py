@@ -62,7 +62,7 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every_minutes: float,
-                seed: int, work: Path, splits: list[str], samples: int) -> list[dict]:
+                seed: int, work: Path, splits: list[str], samples: int, keep_weights: Path | None) -> list[dict]:
     from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
@@ -88,6 +88,10 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
     if trainer.evaluator.rows[-1]["step"] != trainer.step:
         trainer.evaluate()
     trainer.finish()
+    if keep_weights is not None:  # for bench_eval_guidance.py
+        keep_weights.mkdir(parents=True, exist_ok=True)
+        final = run_dir / "out" / f"{trainer.model.kind}_final.safetensors"
+        final.replace(keep_weights / f"{name}-seed{seed}-{final.name}")
     return [dict(r) for r in trainer.evaluator.rows]
 
 
@@ -124,6 +128,7 @@ def main() -> None:
     parser.add_argument("--splits", default="held_out", help="comma-separated splits to evaluate (train has 76 prompts)")
     parser.add_argument("--variants", default="demo,full_sde", help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--out", default=None, help="also write the JSON here, after every run")
+    parser.add_argument("--keep-weights", type=Path, default=None, help="keep each run's final weights in this folder")
     args = parser.parse_args()
 
     import torch
@@ -168,7 +173,7 @@ def main() -> None:
                 runs[name].append(run_variant(
                     name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
                     eval_every_minutes=args.eval_every_minutes, seed=repeat, work=Path(scratch), splits=splits,
-                    samples=args.samples_per_prompt))
+                    samples=args.samples_per_prompt, keep_weights=args.keep_weights))
                 if args.out:
                     Path(args.out).write_text(json.dumps(report(complete=False), indent=2) + "\n")
     text = json.dumps(report(complete=True), indent=2)

@@ -242,6 +242,10 @@ class ValidationConfig(_Section):
 
     num_steps: int = Field(20, ge=1, description="Denoising steps for evaluation.")
     seed: int = Field(1234, ge=0, description="Fixed seed, so evaluations of different versions are comparable.")
+    guidance_scale: float | None = Field(
+        None, ge=0.0, le=100.0, allow_inf_nan=False,
+        description="True CFG scale for evaluation; None evaluates at sampling.guidance_scale (the rollouts').",
+    )
 
 
 class RolloutConfig(_Section):

@@ -101,11 +101,13 @@ class SamplingParams(BaseModel):
         """
         return SamplingParams.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
 
-    def for_validation(self, *, num_steps: int | None = None, seed: int | None = None) -> SamplingParams:
+    def for_validation(self, *, num_steps: int | None = None, seed: int | None = None,
+                       guidance_scale: float | None = None) -> SamplingParams:
         """Evaluation settings: the ODE (noise 0), usually with more steps and a fixed seed; every sample
         from its own noise (with shared group noise an ODE group would be one image, repeated)."""
         return self.model_copy(
             update={
+                "guidance_scale": self.guidance_scale if guidance_scale is None else float(guidance_scale),
                 "noise_level": 0.0,
                 "sde_type": "ode",
                 "sde_window_size": None,

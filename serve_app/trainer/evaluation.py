@@ -194,7 +194,8 @@ class RunEvaluator:
     def _evaluate_split(self, split: str, split_prompts: list[str], step: int, version: int, *, weights: str,
                         train_minutes: float, images_sampled: int) -> dict[str, Any]:
         validation = self.config.validation
-        sampling = self.config.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed)
+        sampling = self.config.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed,
+                                                       guidance_scale=validation.guidance_scale)
         per_prompt = self.samples_per_prompt(split)
         batch = self.client.rollout(split_prompts, per_prompt, sampling=sampling, policy_version=version,
                                     seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s)

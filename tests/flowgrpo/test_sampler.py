@@ -117,6 +117,10 @@ def test_validation_mode_is_deterministic_ode(policy, text):
     assert params.noise_level == 0.0 and params.num_steps == 8
     traj = sample_group(policy, text.tokenize(["a cat"]), 2, params, policy_version=0)
     assert torch.equal(traj.log_probs, torch.zeros_like(traj.log_probs))
+    # Evaluation keeps the rollouts' CFG unless validation.guidance_scale asks for another.
+    assert params.guidance_scale == PARAMS.guidance_scale
+    guided = PARAMS.for_validation(num_steps=8, seed=5, guidance_scale=2.5)
+    assert guided.guidance_scale == 2.5 and guided.model_copy(update={"guidance_scale": params.guidance_scale}) == params
 
 
 @pytest.mark.parametrize(
