@@ -93,6 +93,42 @@ def test_http_matches_handle_seeds(cluster):
     assert "reward_mean" in answer["metrics"]
 
 
+def test_http_video_rollout_carries_one_mp4_per_sample(cluster):
+    """A Wan app on its own route: over a live socket, each sample's MP4 decodes to its video."""
+    from ray import serve
+
+    from serve_app.app import AppArgs, build_app
+    from serve_app.client import RolloutClient
+    from serve_app.video import decode_mp4
+
+    video = [o for o in OVERRIDES if not o.startswith("ingress.")] + [
+        "app_name=flowgrpo-video", "model=tiny_wan", "reward=video_brightness", "sampling.num_steps=3",
+        "sampling.sde_window_range=[0,1]", "ingress.chunk_size=4", "replica.autoscaling.max_replicas=1",
+    ]
+    serve.run(build_app(AppArgs(config="diffusion_rollout", overrides=video)), name="flowgrpo-video",
+              route_prefix="/video")
+    try:
+        by_handle = RolloutClient("flowgrpo-video").rollout(["a red circle"], group_size=2, seed=3,
+                                                             sampling={"num_frames": 5}).trajectory
+        body = {"prompts": ["a red circle"], "group_size": 2, "seed": 3, "sampling": {"num_frames": 5},
+                "return_images": True}
+        response = httpx.post(f"{BASE}/video/v1/rollouts", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        samples = response.json()["samples"]
+        assert [s["seed"] for s in samples] == by_handle.seeds.tolist()
+        for sample, frames in zip(samples, by_handle.images):
+            assert "image_png_base64" not in sample
+            decoded = decode_mp4(base64.b64decode(sample["video_mp4_base64"]))
+            assert decoded.shape == (5, 3, 32, 32)
+            # H.264 is lossy: each frame's mean level survives, not each pixel.
+            torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), frames.float().mean(dim=(1, 2, 3)),
+                                       atol=3, rtol=0)
+        refused = httpx.post(f"{BASE}/video/v1/rollouts", json={**body, "sampling": {"num_frames": 4}}, timeout=30)
+        assert refused.status_code == 422 and refused.json()["field"] == "sampling.num_frames"
+    finally:
+        serve.delete("flowgrpo-video")
+
+
 def test_health_and_openapi(cluster):
     assert httpx.get(f"{BASE}/healthz", timeout=10).json() == {"status": "ok"}
     spec = httpx.get(f"{BASE}/openapi.json", timeout=10).json()
