@@ -54,7 +54,7 @@ def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str]
     trainer.store.publish(version, load_file(weights), kind=trainer.model.kind, lora=trainer.model.spec)
     trainer.evaluator.evaluate(TRAINED_STEP, version, weights="policy", train_minutes=0.0, images_sampled=0)
     trainer.finish()
-    return [dict(r) for r in trainer.evaluator.rows]
+    return [dict(r) for r in trainer.evaluator.log.rows]
 
 
 def summarize(rows: list[dict], split: str) -> dict:

@@ -92,7 +92,7 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
         keep_weights.mkdir(parents=True, exist_ok=True)
         final = run_dir / "out" / f"{trainer.model.kind}_final.safetensors"
         final.replace(keep_weights / f"{name}-seed{seed}-{final.name}")
-    return [dict(r) for r in trainer.evaluator.rows]
+    return [dict(r) for r in trainer.evaluator.log.rows]  # every split's rows, in order
 
 
 def summarize(repeats: list[list[dict]], split: str) -> dict:

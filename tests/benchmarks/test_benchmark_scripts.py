@@ -64,33 +64,38 @@ def test_bench_serve(flowgrpo_home):
 @pytest.mark.slow
 def test_bench_learning(flowgrpo_home, tmp_path):
     report = run_script("bench_learning.py", "--minutes", "0.01", "--max-steps", "1", "--repeats", "1",
-                        "--samples-per-prompt", "1", "--variants", "fast_plain", "--splits", "held_out",
+                        "--samples-per-prompt", "1", "--variants", "fast_plain", "--splits", "held_out,train",
                         "--keep-weights", str(tmp_path))
     assert_finite(report)
     assert report["complete"]
-    (curve,) = report["variants"]["fast_plain"]["curves"]
-    assert [row["step"] for row in curve] == [0, 1]
+    (rows,) = report["variants"]["fast_plain"]["curves"]
+    assert [(row["step"], row["split"]) for row in rows] == [(0, "held_out"), (0, "train"), (1, "held_out"), (1, "train")]
+    curve = [row for row in rows if row["split"] == "held_out"]
     assert all(0.0 <= row["strict_accuracy"] <= 1.0 for row in curve)
     assert (tmp_path / "fast_plain-seed0-lora_final.safetensors").is_file()  # --keep-weights
     held_out = report["variants"]["fast_plain"]["held_out"]
     change = 100 * curve[-1]["strict_accuracy_change"]
     assert held_out["strict_change_points"]["median"] == pytest.approx(change)
     assert held_out["steps"]["median"] == 1 and held_out["images_sampled"]["median"] == 64
+    train = report["variants"]["fast_plain"]["train"]  # each split summarized from its own rows
+    assert train["strict_change_points"]["median"] == pytest.approx(100 * rows[-1]["strict_accuracy_change"])
 
     # The kept adapter, evaluated by bench_eval_guidance at the rollouts' guidance (1) on the same
     # prompts and seeds, scores what the training run's own evaluations scored, base and trained.
     weights = tmp_path / "fast_plain-seed0-lora_final.safetensors"
     guided = run_script("bench_eval_guidance.py", "--weights", str(weights), "--guidance", "1,2",
-                        "--samples-per-prompt", "1", "--splits", "held_out")
+                        "--samples-per-prompt", "1", "--splits", "held_out,train")
     assert_finite(guided)
     assert set(guided["guidance"]) == {"1", "2"}
-    at_1 = guided["guidance"]["1"]["held_out"]
-    assert at_1["base_strict_accuracy"][1] == pytest.approx(100 * curve[0]["strict_accuracy"])
-    assert at_1["trained_strict_accuracy"][1] == pytest.approx(100 * curve[-1]["strict_accuracy"])
-    assert at_1["paired_change_points"][1] == pytest.approx(change)
-    for scale in guided["guidance"].values():
-        lo, value, hi = scale["held_out"]["paired_change_points"]
-        assert lo <= value <= hi
+    for split in ("held_out", "train"):
+        first, last = (row for row in rows if row["split"] == split)
+        at_1 = guided["guidance"]["1"][split]
+        assert at_1["base_strict_accuracy"][1] == pytest.approx(100 * first["strict_accuracy"])
+        assert at_1["trained_strict_accuracy"][1] == pytest.approx(100 * last["strict_accuracy"])
+        assert at_1["paired_change_points"][1] == pytest.approx(100 * last["strict_accuracy_change"])
+        for scale in guided["guidance"].values():
+            lo, value, hi = scale[split]["paired_change_points"]
+            assert lo <= value <= hi
 
 
 @pytest.mark.slow
