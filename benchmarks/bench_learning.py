@@ -85,7 +85,7 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
         if sum(trainer.step_seconds) >= next_eval_s:
             trainer.evaluate()
             next_eval_s += eval_every_minutes * 60
-    if trainer.evaluator.rows[-1]["step"] != trainer.step:
+    if trainer.evaluator.first_split_rows[-1]["step"] != trainer.step:
         trainer.evaluate()
     trainer.finish()
     if keep_weights is not None:  # for bench_eval_guidance.py

@@ -169,8 +169,8 @@ class RunEvaluator:
                            if append and self._reference_path(split).is_file()}
 
     @property
-    def rows(self) -> list[dict[str, Any]]:
-        """The first split's rows (what summaries and benchmarks compare)."""
+    def first_split_rows(self) -> list[dict[str, Any]]:
+        """The first split's rows in order (every split's: `log.rows`, eval.csv as written)."""
         return [r for r in self.log.rows if r.get("split", self.first_split) == self.first_split]
 
     def _grid_path(self, step: int, split: str) -> Path:
@@ -234,9 +234,10 @@ class RunEvaluator:
         return dict(zip(change_columns(self.evaluator.headline), (sum(change) / len(change), lo, hi)))
 
     def finish(self) -> None:
-        if not self.rows:
+        rows = self.first_split_rows
+        if not rows:
             return
-        first, last = int(self.rows[0]["step"]), int(self.rows[-1]["step"])
+        first, last = int(rows[0]["step"]), int(rows[-1]["step"])
         for split in self.splits:
             suffix = "" if split == self.first_split else f"_{split}"
             shutil.copyfile(self._grid_path(first, split), self.out / f"eval_before{suffix}.png")

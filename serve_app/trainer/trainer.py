@@ -169,7 +169,7 @@ class FlowGRPOTrainer:
 
         total = self.total_steps = steps if steps is not None else self.cfg.steps
         bar = tqdm(total=total, initial=self.step, desc="flowgrpo", disable=not self.progress, dynamic_ncols=True)
-        if self.evaluator is not None and self.step == 0 and not self.evaluator.rows:
+        if self.evaluator is not None and self.step == 0 and not self.evaluator.first_split_rows:
             self.evaluate()  # the model before training: eval.csv's step 0
         while self.step < total:
             row = self.train_step()
