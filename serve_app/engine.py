@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -160,9 +161,11 @@ class DiffusersEngine:
         _check_finite(fused)
         seconds = time.perf_counter() - started
         stats.append(BatchStats(len(fused), seconds / params.num_steps, version))
-        # 3. Split back: each chunk gets its own samples and only its prompts' embeddings.
+        # 3. Split back: each chunk gets its own samples, only its prompts' embeddings, and its own
+        # request's params (fused chunks may differ in the request seed, which their seeds already hold).
         bounds = torch.tensor([0] + [len(c) for c in chunks]).cumsum(0).tolist()
-        return [fused.take(slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [replace(fused.take(slice(lo, hi)), sampling=c.sampling)
+                for c, lo, hi in zip(chunks, bounds[:-1], bounds[1:])]
 
 
 def _check_finite(trajectory: Trajectory) -> None:

@@ -120,6 +120,21 @@ def test_engine_fuses_chunks_into_one_batch_with_identical_results(planner, engi
         assert torch.equal(a.seeds, b.seeds)
 
 
+def test_chunks_of_requests_with_other_seeds_fuse_and_keep_their_own_sampling(planner, engine):
+    # Two requests alike but for their seed share a forward batch; each chunk's trajectory must still
+    # carry its own request's params, or merging a request's chunks (some fused with the other
+    # request, some not) fails as "different sampling".
+    first = planner.plan(RolloutRequest(prompts=["a cat"], group_size=2, seed=1)).chunks[0]
+    second = planner.plan(RolloutRequest(prompts=["a dog"], group_size=4, seed=2)).chunks  # chunks of 3 and 1
+    head, tail = (dataclasses.replace(c, window_start=first.window_start) for c in second)  # drawn per request
+    results, stats = engine.generate([first, head])
+    assert len(stats) == 1 and stats[0].images == 5
+    assert [r.sampling.seed for r in results] == [1, 2]
+    (rest,), _ = engine.generate([tail])
+    merged = merge_chunks([results[1], rest], 1, 4)  # raises if the chunks' stamps differ
+    assert merged.sampling == head.sampling and merged.sample_index.tolist() == [0, 1, 2, 3]
+
+
 def test_planner_and_engine_reject_an_unpublished_version(planner, engine):
     # The planner checks before fan-out; the engine still refuses a chunk that names a missing version.
     with pytest.raises(PolicyVersionError, match="policy version 7 does not exist; available: 0"):
