@@ -107,6 +107,8 @@ def test_bench_pipeline(flowgrpo_home):
     assert report["training"]["k1"]["speedup_over_k0"]["median"] > 0
     assert 0 < report["training"]["k0_step_shares"]["rollout"] < 1
     assert report["group_noise"]["shared_over_independent"]["median"] > 0
+    # 1 prompt x 2 samples, 10 steps, window at 4: 20 rows independent, 1 * 4 + 2 * 6 = 16 shared
+    assert report["group_noise"]["transformer_row_bound"] == pytest.approx(20 / 16)
 
 
 @pytest.mark.slow
