@@ -121,6 +121,11 @@ class TrainerSection(_Section):
     checkpoint_every: int = Field(10, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     prefetch: bool = Field(False, description="Push each new version to the live replicas ahead of requests.")
     seed: int = Field(0, ge=0, description="Seeds rollout requests (step s uses seed*1_000_003 + s) and torch.")
+    torch_threads: int | None = Field(
+        None, ge=1,
+        description="torch intra-op threads of the trainer process; None keeps torch's default (one per core). "
+        "When replicas share the trainer's cores, fewer threads stop the update from preempting the rollout.",
+    )
     rollout_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one rollout request.")
 
     @model_validator(mode="after")

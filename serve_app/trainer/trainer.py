@@ -123,6 +123,8 @@ class FlowGRPOTrainer:
         self.progress = progress
         self.replica_handle = replica_handle
         torch.manual_seed(self.cfg.seed)
+        if self.cfg.torch_threads is not None:
+            torch.set_num_threads(self.cfg.torch_threads)
         self.policy = policy if policy is not None else load_trainer_policy(config)
         self.model = TrainableTransformer(self.policy, self.cfg.lora)
         self.parallel = parallel if parallel is not None else DataParallel()

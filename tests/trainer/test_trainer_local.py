@@ -66,6 +66,18 @@ def test_first_ratio_is_one_and_published_version_matches_the_replica(local_app,
     assert (tmp_path / "out" / "train_step00000.png").is_file()
 
 
+def test_the_trainer_takes_the_torch_threads_it_is_configured_with(local_app, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        make_trainer(local_app, tmp_path, "trainer.torch_threads=1")
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        make_trainer(local_app, tmp_path)  # null leaves the process's setting alone
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unpublished_version_fails(local_app):
     client, _ = local_app
     with pytest.raises(PolicyVersionError, match="version 5"):
