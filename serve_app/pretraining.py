@@ -58,6 +58,8 @@ class FlowPretrainSettings(_Section):
     prompt_dropout: float = Field(0.1, ge=0, le=1, description="Share of pairs trained on the negative prompt (for CFG).")
     negative_prompt: str = Field(" ", description="The prompt of dropped pairs.")
     ema_decay: float = Field(0.999, ge=0, lt=1, description="EMA of the weights is what ships; 0 ships the raw weights.")
+    train_text_encoder: bool = Field(True, description="Train the text encoder with the transformer; false keeps "
+                                                       "it as built (as Wan and SD3 keep their T5 frozen).")
     logit_normal_mean: float = Field(1.0, description="sigma = sigmoid(N(mean, std)): SD3's density, shifted to high noise.")
     logit_normal_std: float = Field(1.0, gt=0, description="Spread of the training sigmas.")
     torch_threads: int = Field(2, ge=1, description="torch intra-op threads.")
@@ -203,5 +205,10 @@ def pretrain_world(config: FlowPretrainSettings, out_dir: str | Path, *, build: 
         def save(entries: list[dict]) -> None:
             save_checkpoint(pipe, config, entries, out_dir, Path(scratch) / f"step{entries[-1]['step']}")
 
-        return pretrain_flow_model(config, policy, [pipe.transformer, pipe.text_encoder], next_batch, size=size,
+        trained = [pipe.transformer]
+        if config.train_text_encoder:
+            trained.append(pipe.text_encoder)
+        else:
+            pipe.text_encoder.requires_grad_(False).eval()
+        return pretrain_flow_model(config, policy, trained, next_batch, size=size,
                                    evaluate=lambda: evaluate(policy), save=save, log=log)

@@ -72,6 +72,20 @@ def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> d
     return means(per_video(verdicts(videos, prompts)))
 
 
+def word_order_gap(policy, subject: str = "red circle") -> float:
+    """How far apart ``policy``'s text encoder puts "a <subject> moving left to right" and "... right to
+    left" (each word's vector against the nearest word of the other prompt, averaged) over how far apart
+    it puts "... left to right" and "... top to bottom". Wan's cross-attention sees a prompt as a set of
+    vectors, so near 0 the transformer cannot tell the two ends of an axis apart."""
+    prompts = [f"a {subject} moving {d}" for d in ("left to right", "right to left", "top to bottom")]
+    embeds = policy.encode_prompts(policy.text_processor().tokenize(prompts)).embeds
+
+    def nearest(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.cdist(a, b).min(dim=1).values.mean())
+
+    return nearest(embeds[0], embeds[1]) / nearest(embeds[0], embeds[2])
+
+
 def verdict_label(verdict: MotionVerdict) -> str:
     """A short caption: 'OK', or the direction seen and which sub-scores failed."""
     if verdict.strict:

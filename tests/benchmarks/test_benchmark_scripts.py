@@ -132,3 +132,13 @@ def test_bench_rewards(flowgrpo_home):
     # (half of it asserted: sampling these tiny requests varies by far less than 0.25 s).
     assert all(latency[m]["median"] >= latency["sampling_only"]["median"] + 0.25 for m in ("streaming", "after_merge"))
     assert all(v["images_per_second"]["median"] > 0 for k, v in report["reward_server"].items() if k.startswith("max_"))
+
+
+def test_bench_motion_directions(flowgrpo_home):
+    report = run_script("bench_motion_directions.py", "--split", "held_out", "--samples-per-prompt", "1",
+                        "--steps", "2")
+    assert_finite({k: v for k, v in report.items() if k != "right_end_of_the_axis"})
+    assert sum(sum(counts.values()) for counts in report["went"].values()) == 12  # 12 held-out prompts x 1
+    assert set(report["went"]) == {"left to right", "right to left", "top to bottom", "bottom to top"}
+    assert 0 <= report["direction_accuracy"] <= report["on_the_asked_axis"] <= 1
+    assert report["word_order_gap"]["subjects"] == 12 and report["word_order_gap"]["min"] >= 0

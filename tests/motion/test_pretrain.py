@@ -79,3 +79,35 @@ def test_the_same_seed_gives_the_same_weights(tmp_path, qwen2_dir):
         pretrain(config, tmp_path / run, qwen2_dir=qwen2_dir, log=lambda line: None)
     a, b = (load_file(tmp_path / run / "transformer" / "diffusion_pytorch_model.safetensors") for run in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_untrained_text_encoder_already_sees_word_order(tmp_path, qwen2_dir):
+    from serve_app.motion.evaluation import word_order_gap
+    from serve_app.motion.model import build_motion_wan
+    from serve_app.policies import load_policy
+
+    config = load_pretrain_config("motion/pretrain", MINIATURE)
+    gaps = {}
+    for bias in (0.0, 5.0):
+        spec = config.model.model_copy(update={"text_neighbour_bias": bias})
+        build_motion_wan(tmp_path / str(bias), spec, qwen2_dir=qwen2_dir, seed=0)
+        policy = load_policy(tmp_path / str(bias), family="wan",
+                             components={"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"})
+        gaps[bias] = [word_order_gap(policy, subject) for subject in ("red circle", "blue square", "green triangle")]
+    # UMT5's own init: the two signs of an axis a small fraction as far apart as the two axes; from the
+    # neighbours' bias on, about as far.
+    assert max(gaps[0.0]) < 0.15 and min(gaps[5.0]) > 0.3, gaps  # measured 0.05 / 0.6
+
+
+def test_a_frozen_text_encoder_ships_as_built_while_the_transformer_trains(tmp_path, qwen2_dir):
+    from serve_app.motion.model import build_motion_wan
+
+    config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=3", "eval.every=0", "train_text_encoder=false",
+                                                      "model.text_neighbour_bias=5"])
+    pretrain(config, tmp_path / "trained", qwen2_dir=qwen2_dir, log=lambda line: None)
+    build_motion_wan(tmp_path / "built", config.model, qwen2_dir=qwen2_dir, seed=config.seed)
+    weights = {run: {part: load_file(next((tmp_path / run / part).glob("*.safetensors")))
+                     for part in ("text_encoder", "transformer")} for run in ("trained", "built")}
+    built, trained = weights["built"], weights["trained"]
+    assert all(torch.equal(built["text_encoder"][k], trained["text_encoder"][k]) for k in built["text_encoder"])
+    assert not all(torch.equal(built["transformer"][k], trained["transformer"][k]) for k in built["transformer"])
