@@ -28,6 +28,10 @@ from serve_app.schemas import SamplingParams
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 
 
+def horizontal(direction: str) -> bool:
+    return DIRECTIONS[direction][0] == 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None, help="A pipeline directory (default: the shipped model).")
@@ -46,14 +50,12 @@ def main() -> None:
         batch = sample_group(policy, policy.text_processor().tokenize(prompts), args.samples_per_prompt, params,
                              policy_version=0)
         gaps = [word_order_gap(policy, f"{colour} {shape}") for colour in COLOURS for shape in SHAPES]
-    asked = [parse_prompt(prompts[i]).direction for i in batch.prompt_index.tolist()]
-    found = verdicts(batch.images, [prompts[i] for i in batch.prompt_index.tolist()])
+    sampled = [prompts[i] for i in batch.prompt_index.tolist()]
+    asked = [parse_prompt(p).direction for p in sampled]
+    found = verdicts(batch.images, sampled)
     went = {direction: Counter() for direction in DIRECTIONS}
     for direction, verdict in zip(asked, found):
         went[direction][verdict.direction] += 1
-    def horizontal(direction: str) -> bool:
-        return DIRECTIONS[direction][0] == 0
-
     on_axis = sum(v.direction in DIRECTIONS and horizontal(v.direction) == horizontal(d) for d, v in zip(asked, found))
     right = sum(v.direction_ok for v in found)
     print(json.dumps({
