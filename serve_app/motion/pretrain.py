@@ -13,6 +13,7 @@ Training videos come from the `train` split of the motion grammar only, so the `
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from serve_app.pretraining import EvalSettings, FlowPretrainSettings, evaluate_s
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
 from .scene import FRAMES, MIN_TRAVEL_FRAC, parse_prompt, render
+from .text_encoder import grammar_accuracy, teach_grammar
 
 
 class MotionPretrainConfig(FlowPretrainSettings):
@@ -37,6 +39,9 @@ class MotionPretrainConfig(FlowPretrainSettings):
     scene_sides: tuple[int, ...] = Field((), description="Object sides in px; () draws them from the shapes world's SIZE_RANGE.")
     min_travel_frac: float = Field(MIN_TRAVEL_FRAC, gt=0, le=1, description="Least travel, as a fraction of the side.")
     scene_grid: int = Field(1, ge=1, description="Travel, start and cross position on multiples of this many px.")
+    text_pretrain_steps: int = Field(0, ge=0, description="Steps of text_encoder.teach_grammar on the train prompts "
+                                                          "before the video model trains (0: none).")
+    text_pretrain_lr: float = Field(3e-3, gt=0, description="Adam learning rate of those steps.")
 
 
 def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequence[str] = ()) -> MotionPretrainConfig:
@@ -72,9 +77,20 @@ def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Pa
     from serve_app.policies.wan import WanPolicy
 
     qwen2_dir = qwen2_dir or ensure_qwen2_tokenizer()
+
+    def build(where: Path):
+        pipe = build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed)
+        if config.text_pretrain_steps:
+            heads = teach_grammar(pipe.text_encoder, pipe.tokenizer, eval_prompts("train"),
+                                  steps=config.text_pretrain_steps, lr=config.text_pretrain_lr, seed=config.seed)
+            log(json.dumps({"text_encoder_grammar_accuracy": {
+                split: grammar_accuracy(pipe.text_encoder, pipe.tokenizer, heads, eval_prompts(split))
+                for split in ("train", "held_out")}}))
+        return pipe
+
     return pretrain_world(
         config, out_dir,
-        build=lambda where: build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed),
+        build=build,
         policy_class=WanPolicy,
         batches=VideoBatches(config),
         encode=lambda policy, videos: policy.encode_videos(videos),
