@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from serve_app.flowgrpo.sampler import sample_group
 from serve_app.models import ensure_embedded_model
-from serve_app.motion.evaluation import eval_prompts, verdicts, word_order_gap
+from serve_app.motion.evaluation import eval_prompts, ode_verdicts, where_they_went, word_order_gap
 from serve_app.motion.scene import COLOURS, DIRECTIONS, SHAPES, parse_prompt
 from serve_app.policies import load_policy
-from serve_app.schemas import SamplingParams
 
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 
@@ -44,18 +41,11 @@ def main() -> None:
     model = args.model or ensure_embedded_model("serve_app.motion.model:MOTION_WAN")
     policy = load_policy(model, family="wan", components=VAE)
     prompts = eval_prompts(args.split)
-    params = SamplingParams(height=32, width=32, num_frames=4, num_steps=args.steps, noise_level=0.0, sde_type="ode",
-                            sde_window_size=None, guidance_scale=1.0, seed=args.seed)
+    sampled, found = ode_verdicts(policy, prompts, args.samples_per_prompt, steps=args.steps, seed=args.seed)
     with torch.inference_mode():
-        batch = sample_group(policy, policy.text_processor().tokenize(prompts), args.samples_per_prompt, params,
-                             policy_version=0)
         gaps = [word_order_gap(policy, f"{colour} {shape}") for colour in COLOURS for shape in SHAPES]
-    sampled = [prompts[i] for i in batch.prompt_index.tolist()]
     asked = [parse_prompt(p).direction for p in sampled]
-    found = verdicts(batch.images, sampled)
-    went = {direction: Counter() for direction in DIRECTIONS}
-    for direction, verdict in zip(asked, found):
-        went[direction][verdict.direction] += 1
+    went = where_they_went(sampled, found)
     on_axis = sum(v.direction in DIRECTIONS and horizontal(v.direction) == horizontal(d) for d, v in zip(asked, found))
     right = sum(v.direction_ok for v in found)
     print(json.dumps({
@@ -66,7 +56,7 @@ def main() -> None:
         "direction_accuracy": right / len(found),
         "on_the_asked_axis": on_axis / len(found),
         "right_end_of_the_axis": right / on_axis if on_axis else None,
-        "went": {d: dict(counts.most_common()) for d, counts in went.items()},
+        "went": {d: went.get(d, {}) for d in DIRECTIONS},
         "word_order_gap": {"min": min(gaps), "median": statistics.median(gaps), "max": max(gaps),
                            "subjects": len(gaps)},
     }, indent=2))

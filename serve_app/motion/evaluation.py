@@ -8,6 +8,7 @@ shapes world's (serve_app.shapes.evaluation): Wilson per accuracy, a bootstrap f
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,29 @@ def means(per_sample: dict[str, list[float]]) -> dict[str, float]:
 def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, float]:
     """Mean of every EVAL_COLUMNS figure over the videos."""
     return means(per_video(verdicts(videos, prompts)))
+
+
+def ode_verdicts(policy, prompts: Sequence[str], samples_per_prompt: int, *, steps: int = 20, seed: int = 1234,
+                 size: int = 32, frames: int = 4) -> tuple[list[str], list[MotionVerdict]]:
+    """ODE samples (no CFG, fixed seeds) of every prompt, checked: each sample's prompt and verdict."""
+    from serve_app.flowgrpo.sampler import sample_group
+    from serve_app.schemas import SamplingParams
+
+    params = SamplingParams(height=size, width=size, num_frames=frames, num_steps=steps, noise_level=0.0,
+                            sde_type="ode", sde_window_size=None, guidance_scale=1.0, seed=seed)
+    with torch.inference_mode():
+        batch = sample_group(policy, policy.text_processor().tokenize(list(prompts)), samples_per_prompt, params,
+                             policy_version=0)
+    sampled = [prompts[i] for i in batch.prompt_index.tolist()]
+    return sampled, verdicts(batch.images, sampled)
+
+
+def where_they_went(prompts: Sequence[str], found: Sequence[MotionVerdict]) -> dict[str, dict[str, int]]:
+    """For each asked direction (in the order first asked), how many videos went each way, most first."""
+    went: dict[str, Counter] = {}
+    for prompt, verdict in zip(prompts, found):
+        went.setdefault(parse_prompt(prompt).direction, Counter())[verdict.direction] += 1
+    return {asked: dict(counts.most_common()) for asked, counts in went.items()}
 
 
 def word_order_gap(policy, subject: str = "red circle") -> float:

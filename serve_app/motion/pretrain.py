@@ -26,7 +26,7 @@ from serve_app.pretraining import EvalSettings, FlowPretrainSettings, evaluate_s
 
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
-from .scene import FRAMES, MIN_TRAVEL_FRAC, parse_prompt, render
+from .scene import FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
 from .text_encoder import grammar_accuracy, teach_grammar
 
 
@@ -50,12 +50,16 @@ def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequen
 
 
 class VideoBatches:
-    """An endless, seeded stream of (uint8 videos [B, F, 3, S, S], prompt indices) of the train prompts."""
+    """An endless, seeded stream of (uint8 videos [B, F, 3, S, S], prompt indices) of ``prompts`` (default:
+    the train split); ``shown[i]`` is what the videos of ``prompts[i]`` show (default: what it asks)."""
 
-    def __init__(self, config: MotionPretrainConfig) -> None:
+    def __init__(self, config: MotionPretrainConfig, prompts: Sequence[str] | None = None,
+                 shown: Sequence[MotionSpec] | None = None) -> None:
         self.rng = np.random.default_rng(config.seed)
-        self.prompts = eval_prompts("train")
-        self.specs = [parse_prompt(p) for p in self.prompts]
+        self.prompts = list(eval_prompts("train") if prompts is None else prompts)
+        self.specs = [parse_prompt(p) for p in self.prompts] if shown is None else list(shown)
+        if len(self.specs) != len(self.prompts):
+            raise ValueError(f"{len(self.specs)} videos shown for {len(self.prompts)} prompts")
         self.config = config
 
     def next(self) -> tuple[torch.Tensor, list[int]]:
@@ -66,35 +70,45 @@ class VideoBatches:
         return torch.from_numpy(videos), picks
 
 
-def evaluate(policy, settings: EvalSettings, size: int, frames: int) -> dict[str, dict[str, float]]:
-    """ODE samples of the train and held-out prompts with fixed seeds, scored by the motion checker."""
-    return evaluate_splits(policy, settings, eval_prompts, score_videos, size=size, num_frames=frames)
+def evaluate(policy, settings: EvalSettings, size: int, frames: int,
+             prompts: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    """ODE samples of the train and held-out prompts (both ``prompts`` when given) with fixed seeds,
+    scored by the motion checker."""
+    prompts_of = eval_prompts if prompts is None else (lambda split: list(prompts))
+    return evaluate_splits(policy, settings, prompts_of, score_videos, size=size, num_frames=frames)
 
 
-def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | None = None, log=print) -> list[dict]:
-    """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation."""
+def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | None = None, log=print,
+             prompts: Sequence[str] | None = None, shown: Sequence[MotionSpec] | None = None) -> list[dict]:
+    """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation.
+
+    ``prompts`` replaces the train split everywhere (videos, the text encoder's grammar lessons and both
+    evaluation splits) and ``shown`` what their videos show (see VideoBatches): for probes of what the
+    model learns from which cue (benchmarks/probe_motion_sign.py)."""
     from serve_app.models import ensure_qwen2_tokenizer
     from serve_app.policies.wan import WanPolicy
 
     qwen2_dir = qwen2_dir or ensure_qwen2_tokenizer()
+    batches = VideoBatches(config, prompts, shown)
+    splits = {split: eval_prompts(split) for split in ("train", "held_out")} if prompts is None else {"train": batches.prompts}
 
     def build(where: Path):
         pipe = build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed)
         if config.text_pretrain_steps:
-            heads = teach_grammar(pipe.text_encoder, pipe.tokenizer, eval_prompts("train"),
+            heads = teach_grammar(pipe.text_encoder, pipe.tokenizer, batches.prompts,
                                   steps=config.text_pretrain_steps, lr=config.text_pretrain_lr, seed=config.seed)
             log(json.dumps({"text_encoder_grammar_accuracy": {
-                split: grammar_accuracy(pipe.text_encoder, pipe.tokenizer, heads, eval_prompts(split))
-                for split in ("train", "held_out")}}))
+                split: grammar_accuracy(pipe.text_encoder, pipe.tokenizer, heads, split_prompts)
+                for split, split_prompts in splits.items()}}))
         return pipe
 
     return pretrain_world(
         config, out_dir,
         build=build,
         policy_class=WanPolicy,
-        batches=VideoBatches(config),
+        batches=batches,
         encode=lambda policy, videos: policy.encode_videos(videos),
-        evaluate=lambda policy: evaluate(policy, config.eval, config.image_size, config.num_frames),
+        evaluate=lambda policy: evaluate(policy, config.eval, config.image_size, config.num_frames, prompts),
         size=config.image_size, log=log,
     )
 

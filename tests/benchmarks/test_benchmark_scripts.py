@@ -142,3 +142,17 @@ def test_bench_motion_directions(flowgrpo_home):
     assert set(report["went"]) == {"left to right", "right to left", "top to bottom", "bottom to top"}
     assert 0 <= report["direction_accuracy"] <= report["on_the_asked_axis"] <= 1
     assert report["word_order_gap"]["subjects"] == 12 and report["word_order_gap"]["min"] >= 0
+
+
+def test_probe_motion_sign(flowgrpo_home):
+    report = run_script("probe_motion_sign.py", "--case", "sign_only_in_the_words", "--case", "no_condition",
+                        "--steps", "2", "--samples-per-prompt", "2", "model.layers=1", "eval.num_steps=2")
+    cases = report["cases"]
+    assert list(cases) == ["sign_only_in_the_words", "no_condition"]
+    words = cases["sign_only_in_the_words"]
+    assert words["drawn_as"] == "red circle" and words["samples"] == 4 and words["steps"] == 2
+    assert sum(sum(counts.values()) for counts in words["went"].values()) == 4
+    assert set(words["went"]) == {"left to right", "right to left"}
+    assert cases["no_condition"]["samples"] == 2 and list(cases["no_condition"]["went"]) == ["left to right"]
+    for case in cases.values():
+        assert 0 <= case["direction_accuracy"] <= case["on_the_asked_axis"] <= 1

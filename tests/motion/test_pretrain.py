@@ -147,3 +147,24 @@ def test_the_pretrain_command_teaches_the_grammar_first_and_logs_it(tmp_path, qw
     built, trained = (load_file(next((tmp_path / run / "text_encoder").glob("*.safetensors")))
                       for run in ("built", "trained"))
     assert not all(torch.equal(built[k], trained[k]) for k in built)  # frozen after teaching, not before
+
+
+def test_a_probe_trains_and_evaluates_on_its_own_prompts_drawn_as_it_says(tmp_path, qwen2_dir):
+    from serve_app.motion.checker import check_video
+    from serve_app.motion.pretrain import VideoBatches
+    from serve_app.motion.scene import MotionSpec
+
+    prompts = ["a red circle moving left to right", "a blue square moving right to left"]
+    drawn = [MotionSpec.of("red", "circle", d) for d in ("left to right", "right to left")]
+    config = load_pretrain_config("motion/pretrain", [*MINIATURE, "batch_size=6"])
+    videos, picks = VideoBatches(config, prompts, drawn).next()
+    for video, pick in zip(videos.numpy(), picks):
+        verdict = check_video(video, drawn[pick])
+        assert verdict.strict, (prompts[pick], verdict.direction)  # a red circle, whatever the prompt names
+    with pytest.raises(ValueError, match="1 videos shown for 2 prompts"):
+        VideoBatches(config, prompts, drawn[:1])
+
+    config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=2", "eval.every=0"])
+    entries = pretrain(config, tmp_path / "probe", qwen2_dir=qwen2_dir, log=lambda line: None, prompts=prompts,
+                       shown=drawn)
+    assert entries[-1]["eval"]["train"] == entries[-1]["eval"]["held_out"]  # both splits are the probe's prompts
