@@ -21,6 +21,7 @@ from serve_app.models import ensure_embedded_model
 from serve_app.motion.evaluation import eval_prompts, ode_verdicts, where_they_went, word_order_gap
 from serve_app.motion.scene import COLOURS, DIRECTIONS, SHAPES, parse_prompt
 from serve_app.policies import load_policy
+from serve_app.pretraining import EvalSettings
 
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 
@@ -41,7 +42,8 @@ def main() -> None:
     model = args.model or ensure_embedded_model("serve_app.motion.model:MOTION_WAN")
     policy = load_policy(model, family="wan", components=VAE)
     prompts = eval_prompts(args.split)
-    sampled, found = ode_verdicts(policy, prompts, args.samples_per_prompt, steps=args.steps, seed=args.seed)
+    settings = EvalSettings(samples_per_prompt=args.samples_per_prompt, num_steps=args.steps, seed=args.seed)
+    sampled, found = ode_verdicts(policy, prompts, settings)
     with torch.inference_mode():
         gaps = [word_order_gap(policy, f"{colour} {shape}") for colour in COLOURS for shape in SHAPES]
     asked = [parse_prompt(p).direction for p in sampled]

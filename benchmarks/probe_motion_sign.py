@@ -56,12 +56,14 @@ def run_case(name: str, steps: int, samples_per_prompt: int, overrides: list[str
     config = load_pretrain_config("motion/pretrain", [
         f"steps={steps}", "eval.every=0", "eval.samples_per_prompt=1", "prompt_dropout=0",
         *case.get("overrides", []), *overrides])
+    # The run's own evaluation draws one sample a prompt; the figures come from more, with its settings.
+    settings = config.eval.model_copy(update={"samples_per_prompt": samples_per_prompt})
     with tempfile.TemporaryDirectory() as out:
         entries = pretrain(config, out, log=lambda line: None, prompts=case["prompts"],
                            shown=shown(case["prompts"], case.get("drawn_as")))
         policy = load_policy(out, family="wan", components=VAE)
-        sampled, found = ode_verdicts(policy, case["prompts"], samples_per_prompt, steps=config.eval.num_steps,
-                                      seed=config.eval.seed)
+        sampled, found = ode_verdicts(policy, case["prompts"], settings, size=config.image_size,
+                                      frames=config.num_frames)
     right = sum(v.direction_ok for v in found)
     on_axis = sum(v.direction in ("left to right", "right to left") for v in found)
     lo, hi = wilson_interval(right, on_axis) if on_axis else (None, None)

@@ -31,7 +31,7 @@ from serve_app.models.pixel_vae import save_pixel_space_pipeline
 from serve_app.schemas import PromptEmbeds, PromptTokens
 from serve_app.trainer.ema import EMAModel, averaged_weights
 
-__all__ = ["EvalSettings", "FlowPretrainSettings", "evaluate_splits", "pretrain_flow_model", "pretrain_main",
+__all__ = ["EvalSettings", "FlowPretrainSettings", "evaluate_splits", "ode_samples", "pretrain_flow_model", "pretrain_main",
            "pretrain_world", "rectified_flow_loss", "save_checkpoint"]
 
 
@@ -165,24 +165,29 @@ def pretrain_main(doc: str, default_config: str, load: Callable[..., FlowPretrai
     print(json.dumps({"out": str(args.out), "minutes": (time.perf_counter() - started) / 60, "final": entries[-1]["eval"]}))
 
 
-def evaluate_splits(policy: Any, settings: EvalSettings, prompts_of: Callable[[str], list[str]],
-                    score: Callable[[torch.Tensor, list[str]], dict[str, float]], *, size: int,
-                    num_frames: int = 1) -> dict[str, dict[str, float]]:
-    """ODE samples (fixed seeds) of the train and held-out prompts (``prompts_of(split)``), scored by
-    the world's checker (``score(uint8 samples, their prompts)``)."""
+def ode_samples(policy: Any, prompts: Sequence[str], settings: EvalSettings, *, size: int,
+                num_frames: int = 1) -> tuple[torch.Tensor, list[str]]:
+    """ODE samples (fixed seeds, ``settings.samples_per_prompt`` of every prompt): the uint8 samples and
+    each one's prompt."""
     from serve_app.flowgrpo.sampler import sample_group
     from serve_app.schemas import SamplingParams
 
     params = SamplingParams(height=size, width=size, num_frames=num_frames, num_steps=settings.num_steps,
                             noise_level=0.0, sde_type="ode", sde_window_size=None,
                             guidance_scale=settings.guidance_scale, seed=settings.seed)
-    processor = policy.text_processor()
-    scores = {}
-    for split in ("train", "held_out"):
-        prompts = prompts_of(split)
-        batch = sample_group(policy, processor.tokenize(prompts), settings.samples_per_prompt, params, policy_version=0)
-        scores[split] = score(batch.images, [prompts[i] for i in batch.prompt_index.tolist()])
-    return scores
+    prompts = list(prompts)
+    batch = sample_group(policy, policy.text_processor().tokenize(prompts), settings.samples_per_prompt, params,
+                         policy_version=0)
+    return batch.images, [prompts[i] for i in batch.prompt_index.tolist()]
+
+
+def evaluate_splits(policy: Any, settings: EvalSettings, prompts_of: Callable[[str], list[str]],
+                    score: Callable[[torch.Tensor, list[str]], dict[str, float]], *, size: int,
+                    num_frames: int = 1) -> dict[str, dict[str, float]]:
+    """ODE samples (fixed seeds) of the train and held-out prompts (``prompts_of(split)``), scored by
+    the world's checker (``score(uint8 samples, their prompts)``)."""
+    return {split: score(*ode_samples(policy, prompts_of(split), settings, size=size, num_frames=num_frames))
+            for split in ("train", "held_out")}
 
 
 def pretrain_world(config: FlowPretrainSettings, out_dir: str | Path, *, build: Callable[[Path], Any],

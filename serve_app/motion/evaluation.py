@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from serve_app.pretraining import EvalSettings, ode_samples
 from serve_app.shapes.evaluation import ShapesEvaluator, accuracy_intervals, plot_accuracy
 from serve_app.trainer.evaluation import SplitScores
 
@@ -73,19 +74,12 @@ def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> d
     return means(per_video(verdicts(videos, prompts)))
 
 
-def ode_verdicts(policy, prompts: Sequence[str], samples_per_prompt: int, *, steps: int = 20, seed: int = 1234,
-                 size: int = 32, frames: int = 4) -> tuple[list[str], list[MotionVerdict]]:
-    """ODE samples (no CFG, fixed seeds) of every prompt, checked: each sample's prompt and verdict."""
-    from serve_app.flowgrpo.sampler import sample_group
-    from serve_app.schemas import SamplingParams
-
-    params = SamplingParams(height=size, width=size, num_frames=frames, num_steps=steps, noise_level=0.0,
-                            sde_type="ode", sde_window_size=None, guidance_scale=1.0, seed=seed)
+def ode_verdicts(policy, prompts: Sequence[str], settings: EvalSettings, *, size: int = 32,
+                 frames: int = 4) -> tuple[list[str], list[MotionVerdict]]:
+    """``pretraining.ode_samples`` of every prompt, checked: each sample's prompt and verdict."""
     with torch.inference_mode():
-        batch = sample_group(policy, policy.text_processor().tokenize(list(prompts)), samples_per_prompt, params,
-                             policy_version=0)
-    sampled = [prompts[i] for i in batch.prompt_index.tolist()]
-    return sampled, verdicts(batch.images, sampled)
+        videos, sampled = ode_samples(policy, prompts, settings, size=size, num_frames=frames)
+    return sampled, verdicts(videos, sampled)
 
 
 def where_they_went(prompts: Sequence[str], found: Sequence[MotionVerdict]) -> dict[str, dict[str, int]]:

@@ -146,7 +146,7 @@ def test_the_pretrain_command_teaches_the_grammar_first_and_logs_it(tmp_path, qw
     build_motion_wan(tmp_path / "built", config.model, qwen2_dir=qwen2_dir, seed=config.seed)
     built, trained = (load_file(next((tmp_path / run / "text_encoder").glob("*.safetensors")))
                       for run in ("built", "trained"))
-    assert not all(torch.equal(built[k], trained[k]) for k in built)  # frozen after teaching, not before
+    assert not all(torch.equal(built[k], trained[k]) for k in built)  # taught, though frozen for the transformer
 
 
 def test_a_probe_trains_and_evaluates_on_its_own_prompts_drawn_as_it_says(tmp_path, qwen2_dir):
