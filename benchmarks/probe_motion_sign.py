@@ -1,6 +1,7 @@
 """Which cue lets the moving-shapes model learn the sign of a motion? Pretrains a fresh model (the
 shipped architecture and settings) on one or two prompts per case and counts, over ODE samples, how
-often the subject went the asked way along the axis. Prints JSON.
+often the subject went the asked way along the axis; for two prompts, how much the trained model's
+loss rises when each video is told the other prompt (``swapped_prompt_loss``). Prints JSON.
 
 Cases (every video moves horizontally; chance is 50% of the on-axis paths):
 
@@ -24,14 +25,16 @@ import json
 import tempfile
 
 from serve_app.motion.evaluation import ode_verdicts, where_they_went
-from serve_app.motion.pretrain import load_pretrain_config, pretrain
+from serve_app.motion.pretrain import VideoBatches, load_pretrain_config, pretrain
 from serve_app.motion.scene import MotionSpec, parse_prompt
 from serve_app.policies import load_policy
+from serve_app.pretraining import prompt_reliance
 from serve_app.trainer.statistics import wilson_interval
 
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 
 RED_CIRCLE_RIGHT = "a red circle moving left to right"
+SWAP_SIGMAS = (0.9, 0.75, 0.5)  # where the training sigmas (logit-normal, mean 1) are densest, and below
 CASES: dict[str, dict] = {
     "no_condition": {"prompts": [RED_CIRCLE_RIGHT]},
     "sign_seen_in_the_video": {"prompts": [RED_CIRCLE_RIGHT, "a blue square moving right to left"]},
@@ -64,6 +67,7 @@ def run_case(name: str, steps: int, samples_per_prompt: int, overrides: list[str
         policy = load_policy(out, family="wan", components=VAE)
         sampled, found = ode_verdicts(policy, case["prompts"], settings, size=config.image_size,
                                       frames=config.num_frames)
+        reliance = swapped_prompt_losses(policy, config, case["prompts"], shown(case["prompts"], case.get("drawn_as")))
     right = sum(v.direction_ok for v in found)
     on_axis = sum(v.direction in ("left to right", "right to left") for v in found)
     lo, hi = wilson_interval(right, on_axis) if on_axis else (None, None)
@@ -75,7 +79,21 @@ def run_case(name: str, steps: int, samples_per_prompt: int, overrides: list[str
         "right_end_of_the_axis": right / on_axis if on_axis else None,
         "right_end_95ci": [lo, hi],
         "went": where_they_went(sampled, found),
+        "swapped_prompt_loss": reliance,
     }
+
+
+def swapped_prompt_losses(policy, config, prompts: list[str], drawn: list[MotionSpec] | None) -> dict | None:
+    """The loss of 64 fresh videos with their own prompt and with the other one (prompt_reliance): how
+    much the trained model's prediction rests on the words that tell the two prompts apart."""
+    if len(prompts) != 2:
+        return None
+    batches = VideoBatches(config.model_copy(update={"batch_size": 64, "seed": config.seed + 1}), prompts, drawn)
+    videos, picks = batches.next()
+    tokens = policy.text_processor().tokenize(prompts)
+    latents = policy.encode_videos(videos.float() / 255.0)
+    return prompt_reliance(policy, latents, [tokens[i] for i in picks], [tokens[1 - i] for i in picks],
+                           sigmas=SWAP_SIGMAS, size=config.image_size, seed=config.seed)
 
 
 def main() -> None:

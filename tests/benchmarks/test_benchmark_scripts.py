@@ -136,12 +136,13 @@ def test_bench_rewards(flowgrpo_home):
 
 def test_bench_motion_directions(flowgrpo_home):
     report = run_script("bench_motion_directions.py", "--split", "held_out", "--samples-per-prompt", "1",
-                        "--steps", "2")
+                        "--steps", "2", "--guidance", "2")
     assert_finite({k: v for k, v in report.items() if k != "right_end_of_the_axis"})
     assert sum(sum(counts.values()) for counts in report["went"].values()) == 12  # 12 held-out prompts x 1
     assert set(report["went"]) == {"left to right", "right to left", "top to bottom", "bottom to top"}
     assert 0 <= report["direction_accuracy"] <= report["on_the_asked_axis"] <= 1
     assert report["word_order_gap"]["subjects"] == 12 and report["word_order_gap"]["min"] >= 0
+    assert report["guidance_scale"] == 2.0
 
 
 def test_probe_motion_sign(flowgrpo_home):
@@ -154,5 +155,19 @@ def test_probe_motion_sign(flowgrpo_home):
     assert sum(sum(counts.values()) for counts in words["went"].values()) == 4
     assert set(words["went"]) == {"left to right", "right to left"}
     assert cases["no_condition"]["samples"] == 2 and list(cases["no_condition"]["went"]) == ["left to right"]
+    assert cases["no_condition"]["swapped_prompt_loss"] is None  # one prompt: nothing to swap
+    swapped = words["swapped_prompt_loss"]
+    assert list(swapped) == ["0.9", "0.75", "0.5"]
+    assert all(v["own_prompt"] > 0 and v["swapped_prompt"] > 0 and v["ratio"] > 0 for v in swapped.values())
     for case in cases.values():
         assert 0 <= case["direction_accuracy"] <= case["on_the_asked_axis"] <= 1
+
+
+def test_probe_motion_sign_variants(flowgrpo_home):
+    report = run_script("probe_motion_sign_variants.py", "--variant", "position_embedding", "--steps", "2",
+                        "--samples-per-prompt", "1", "model.layers=1", "eval.num_steps=2")
+    assert report["variant"] == "position_embedding" and list(report["cases"]) == ["sign_only_in_the_words"]
+    words = report["cases"]["sign_only_in_the_words"]
+    assert words["samples"] == 2 and sum(sum(counts.values()) for counts in words["went"].values()) == 2
+    assert list(words["swapped_prompt_loss"]) == ["0.9", "0.75", "0.5"]
+    assert_finite({k: v for k, v in words.items() if k not in ("right_end_of_the_axis", "right_end_95ci")})

@@ -57,3 +57,19 @@ def test_noise_zero_reproduces_the_stock_wan_pipeline(policy, ode_sample):
     video, _ = ode_sample(policy, prompt, params, latents, generators)
     assert video.shape == stock.shape == (1, 4, 3, 32, 32)
     torch.testing.assert_close(video, stock, atol=5e-5, rtol=0)
+
+
+def test_the_shipped_model_reads_the_colour_word_and_prompt_reliance_is_one_for_its_own_prompt(policy):
+    from serve_app.motion.pretrain import VideoBatches, load_pretrain_config
+    from serve_app.pretraining import prompt_reliance
+
+    own, blue = "a red circle moving left to right", "a blue circle moving left to right"
+    config = load_pretrain_config("motion/pretrain", ["batch_size=16", "seed=7"])
+    videos, picks = VideoBatches(config, [own]).next()
+    latents = policy.encode_videos(videos.float() / 255.0)
+    tokens = policy.text_processor().tokenize([own, blue])
+    same = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[0]] * 16, sigmas=(0.75,), size=32)
+    assert same["0.75"]["ratio"] == 1.0
+    # The same red circles said to be blue: measured x11 over 64 videos (x2.5 at sigma 0.9).
+    swapped = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[1]] * 16, sigmas=(0.75,), size=32)
+    assert swapped["0.75"]["ratio"] > 3
