@@ -11,7 +11,8 @@ Variants (each starts where stock Wan starts, so step 0 is the stock model):
   shift and gate of the self-attention and the feed-forward), so the text acts on every token the way
   the noise level does instead of only through the cross-attention.
 - ``temporal_patch``: the stock ``patch_size=(2, 2, 2)``: one token spans two frames, so a token's
-  own values show which way an edge moved (as a Wan VAE latent frame folds four frames).
+  own values show which way an edge moved (as a Wan VAE latent frame folds four frames); the same
+  model as ``probe_motion_sign.py model.temporal_patch=2``.
 
 The learned additions start at zero. Their weights are saved with the transformer's and loaded back by
 the same patched class for the evaluation.

@@ -43,6 +43,8 @@ class MotionModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     vae_patch_size: int = Field(2, ge=1, description="Pixels per side folded into one latent position.")
+    temporal_patch: int = Field(1, ge=1, description="Frames per transformer token (the stock patch_size's first "
+                                                     "entry): 2 lets a token's own values show which way an edge moved.")
     layers: int = Field(4, ge=1, description="Transformer blocks.")
     heads: int = Field(4, ge=1, description="Attention heads.")
     head_dim: int = Field(32, ge=6, description="Width of one head (rotary split over frame, height, width).")
@@ -93,7 +95,7 @@ def build_motion_wan(out_dir: Path, spec: MotionModelSpec, *, qwen2_dir: Path, s
     with torch.device("cpu"):
         torch.manual_seed(seed)
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
+            patch_size=(spec.temporal_patch, 2, 2),
             num_attention_heads=spec.heads,
             attention_head_dim=spec.head_dim,
             in_channels=vae.config.z_dim,

@@ -70,6 +70,7 @@ class ImageGeometry:
     max_side: int  # the largest height or width the position embedding covers
     temporal_factor: int | None = None  # video families: frames per latent frame after the first
     max_frames: int = 1
+    temporal_patch: int = 1  # latent frames per transformer token
 
     def check(self, height: int, width: int, num_frames: int = 1) -> None:
         """Raise InvalidRequestError naming the field when the model cannot take height x width x num_frames."""
@@ -96,6 +97,12 @@ class ImageGeometry:
                 f"{self.family}; got {num_frames}",
                 "sampling.num_frames",
             )
+        if self.latent_frames(num_frames) % self.temporal_patch:
+            raise InvalidRequestError(
+                f"its {self.latent_frames(num_frames)} latent frames must be a multiple of {self.temporal_patch} (the "
+                f"transformer's temporal patch) for {self.family}; got {num_frames}",
+                "sampling.num_frames",
+            )
         if num_frames > self.max_frames:
             raise InvalidRequestError(
                 f"at most {self.max_frames} frames for {self.family} (its position embedding's extent); got {num_frames}",
@@ -109,7 +116,7 @@ class ImageGeometry:
     def tokens(self, height: int, width: int, num_frames: int = 1) -> int:
         """Latent tokens of one height x width sample of num_frames frames."""
         per_frame = (height // self.spatial_multiple) * (width // self.spatial_multiple)
-        return per_frame * self.latent_frames(num_frames)
+        return per_frame * self.latent_frames(num_frames) // self.temporal_patch
 
 
 class DiffusionPolicy(abc.ABC):
@@ -200,9 +207,14 @@ class DiffusionPolicy(abc.ABC):
         return 1
 
     @property
+    def temporal_patch(self) -> int:
+        """Latent frames per transformer token (1 for image families)."""
+        return 1
+
+    @property
     def geometry(self) -> ImageGeometry:
         return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple,
-                             self.temporal_factor, self.max_frames)
+                             self.temporal_factor, self.max_frames, self.temporal_patch)
 
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None:
         self.geometry.check(height, width, num_frames)

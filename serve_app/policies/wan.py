@@ -144,6 +144,10 @@ class WanPolicy(DiffusionPolicy):
         return int(self.pipeline.vae_scale_factor_temporal)
 
     @property
+    def temporal_patch(self) -> int:
+        return self._patch_size[0]
+
+    @property
     def max_tokens_per_axis(self) -> int:
         # WanRotaryPosEmbed precomputes rope_max_seq_len positions per axis (time, height, width).
         return int(self.pipeline.transformer.config.rope_max_seq_len)

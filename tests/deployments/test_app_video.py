@@ -131,3 +131,14 @@ def test_chunks_count_latent_frames(wan_text):
     with pytest.raises(InvalidRequestError, match="generates images") as info:
         _planner(wan_text, image).plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"num_frames": 5}))
     assert info.value.field == "sampling.num_frames"
+
+
+def test_a_transformer_with_two_frame_tokens_takes_an_even_number_of_latent_frames():
+    from serve_app.policies.base import ImageGeometry
+
+    two_frame_tokens = ImageGeometry("wan", 4, 128, temporal_factor=1, max_frames=64, temporal_patch=2)
+    two_frame_tokens.check(32, 32, 4)
+    assert two_frame_tokens.tokens(32, 32, 4) == 8 * 8 * 4 // 2
+    with pytest.raises(InvalidRequestError, match="multiple of 2") as info:
+        two_frame_tokens.check(32, 32, 3)
+    assert info.value.field == "sampling.num_frames"

@@ -60,6 +60,27 @@ def test_a_few_steps_lower_the_loss_and_save_a_loadable_wan_pipeline(tmp_path, q
     assert batch.images.shape == (2, 5, 3, 32, 32)  # any frame count: the pixel VAE's temporal factor is 1
 
 
+def test_two_frame_tokens_train_sample_and_refuse_an_odd_frame_count(tmp_path, qwen2_dir):
+    from serve_app.errors import InvalidRequestError
+    from serve_app.flowgrpo.sampler import sample_group
+    from serve_app.policies import load_policy
+    from serve_app.schemas import SamplingParams
+
+    config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=4", "eval.every=0", "model.temporal_patch=2"])
+    pretrain(config, tmp_path / "model", qwen2_dir=qwen2_dir, log=lambda line: None)
+    transformer = json.loads((tmp_path / "model" / "transformer" / "config.json").read_text())
+    assert transformer["patch_size"] == [2, 2, 2]
+    policy = load_policy(tmp_path / "model", family="wan",
+                         components={"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"})
+    assert policy.geometry.tokens(32, 32, 4) == 8 * 8 * 2  # 4 frames in 2 tokens' worth of frames
+    tokens = policy.text_processor().tokenize(["a red circle moving left to right"])
+    params = SamplingParams(num_frames=4, num_steps=2, guidance_scale=1.0, sde_window_size=None, seed=0)
+    assert sample_group(policy, tokens, 2, params, policy_version=0).images.shape == (2, 4, 3, 32, 32)
+    with pytest.raises(InvalidRequestError) as info:
+        policy.check_size(32, 32, 5)
+    assert info.value.field == "sampling.num_frames"
+
+
 def test_videos_round_trip_through_the_policys_encoder_exactly(tmp_path, qwen2_dir):
     from serve_app.motion.model import MotionModelSpec, build_motion_wan
     from serve_app.policies.wan import WanPolicy
