@@ -72,14 +72,12 @@ def _modulate_with_text(transformer: WanTransformer3DModel, dim: int) -> None:
 
 def patch_transformer(variant: str, size: int, frames: int) -> None:
     """Changes WanTransformer3DModel (this process only) so that every model built or loaded is ``variant``."""
-    if variant == "stock":
+    if variant in ("stock", "temporal_patch"):  # temporal_patch is a model option: main passes it as one
         return
     stock_init = WanTransformer3DModel.__init__
 
     @functools.wraps(stock_init)  # from_pretrained reads the config from the wrapped signature
     def init(self, *args, **kwargs):
-        if variant == "temporal_patch":
-            kwargs["patch_size"] = (2, 2, 2)
         stock_init(self, *args, **kwargs)
         dim = self.config.num_attention_heads * self.config.attention_head_dim
         side = size // (2 * 2)  # the pixel VAE's patch 2, the transformer's 2
@@ -105,6 +103,8 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=16, help="ODE samples per prompt (fixed seeds).")
     parser.add_argument("overrides", nargs="*", help="Overrides of configs/motion/pretrain.yaml for every case.")
     args = parser.parse_args()
+    if args.variant == "temporal_patch":
+        args.overrides.append("model.temporal_patch=2")
     config = load_pretrain_config("motion/pretrain", args.overrides)
     patch_transformer(args.variant, config.image_size, config.num_frames)
     results = {name: probe_motion_sign.run_case(name, args.steps, args.samples_per_prompt, args.overrides)

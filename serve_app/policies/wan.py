@@ -154,7 +154,7 @@ class WanPolicy(DiffusionPolicy):
 
     @property
     def max_frames(self) -> int:
-        latent_frames = self.max_tokens_per_axis * self._patch_size[0]
+        latent_frames = self.max_tokens_per_axis * self.temporal_patch
         return (latent_frames - 1) * self.temporal_factor + 1
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
