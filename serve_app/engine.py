@@ -84,7 +84,7 @@ class DiffusersEngine:
 
     def check_health(self) -> None:
         """Raise unless this engine can serve: the version it holds is still published, and - when no
-        batch is running - a one-step forward of the smallest image gives finite values. A running
+        batch is running - a one-step forward of the smallest sample gives finite values. A running
         batch is a forward in progress; Serve's health-check timeout bounds one that hangs."""
         versions = self.versions
         if versions.current != 0 and versions.store is not None and versions.current not in versions.store.versions():
@@ -104,7 +104,9 @@ class DiffusersEngine:
         side = policy.spatial_multiple
         if self._probe_conditioning is None:
             self._probe_conditioning = policy.encode_prompts(policy.text_processor().tokenize([" "]))
-        latents = torch.zeros((1, *policy.latent_shape(side, side)), device=policy.device, dtype=policy.dtype)
+        # The fewest frames the model takes: a transformer with two-frame tokens refuses one latent frame.
+        shape = policy.latent_shape(side, side, policy.geometry.min_frames)
+        latents = torch.zeros((1, *shape), device=policy.device, dtype=policy.dtype)
         sigma = torch.ones(1, device=policy.device)
         return policy.velocity(latents, sigma, self._probe_conditioning, negative=None, guidance_scale=1.0,
                                height=side, width=side)

@@ -109,6 +109,12 @@ class ImageGeometry:
                 "sampling.num_frames",
             )
 
+    @property
+    def min_frames(self) -> int:
+        """The fewest frames a sample may have: one frame for an image family, one token's latent frames
+        for a video family."""
+        return 1 if self.temporal_factor is None else (self.temporal_patch - 1) * self.temporal_factor + 1
+
     def latent_frames(self, num_frames: int = 1) -> int:
         """Latent frames of a num_frames video (1 for an image)."""
         return 1 if self.temporal_factor is None else (num_frames - 1) // self.temporal_factor + 1

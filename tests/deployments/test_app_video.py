@@ -139,6 +139,9 @@ def test_a_transformer_with_two_frame_tokens_takes_an_even_number_of_latent_fram
     two_frame_tokens = ImageGeometry("wan", 4, 128, temporal_factor=1, max_frames=64, temporal_patch=2)
     two_frame_tokens.check(32, 32, 4)
     assert two_frame_tokens.tokens(32, 32, 4) == 8 * 8 * 4 // 2
+    assert two_frame_tokens.min_frames == 2
+    assert ImageGeometry("wan", 16, 128, temporal_factor=4, max_frames=81, temporal_patch=2).min_frames == 5
+    assert ImageGeometry("qwen_image", 16, 1024).min_frames == 1
     with pytest.raises(InvalidRequestError, match="multiple of 2") as info:
         two_frame_tokens.check(32, 32, 3)
     assert info.value.field == "sampling.num_frames"
