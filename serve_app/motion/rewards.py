@@ -5,6 +5,8 @@ named by import path in a reward config (configs/reward/motion.yaml, motion_dire
 ``serve_app.motion.rewards:motion_strict`` (1.0 when every frame shows just the asked object and it
 moves the asked way, else 0.0), ``serve_app.motion.rewards:motion_direction`` (1.0 when the subject is
 found in every frame and moves the asked way, whatever it looks like),
+``serve_app.motion.rewards:motion_direction_one_object`` (the same, and every frame shows exactly one
+object),
 ``serve_app.motion.rewards:motion_partial`` (``MotionVerdict.partial``: mean of the colour, shape and
 direction sub-scores) and ``serve_app.motion.rewards:motion_progress`` (how far the subject went the asked
 way, in half frame sides, in [-1, 1]). A prompt outside the grammar raises ValueError:
@@ -46,6 +48,13 @@ def motion_strict() -> RewardFn:
 def motion_direction() -> RewardFn:
     """1.0 if the subject is found in every frame and moves in the asked direction, else 0.0."""
     return _verdict_reward(lambda v: float(v.direction_ok))
+
+
+def motion_direction_one_object() -> RewardFn:
+    """1.0 if every frame shows exactly one object and it moves in the asked direction, else 0.0: what
+    ``motion_direction`` asks without its loophole, a second blob beside the subject (the direction
+    follows the largest object in each frame, so extra blobs cost it nothing)."""
+    return _verdict_reward(lambda v: float(v.direction_ok and v.count_ok))
 
 
 def motion_partial() -> RewardFn:
