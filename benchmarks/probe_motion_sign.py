@@ -1,5 +1,6 @@
 """Which cue lets the moving-shapes model learn the sign of a motion? Pretrains a fresh model (the
-shipped architecture and settings) on one or two prompts per case and counts, over ODE samples, how
+architecture the question arose on: one frame a token, the text encoder training along; every other
+setting from configs/motion/pretrain.yaml) on one or two prompts per case and counts, over ODE samples, how
 often the subject went the asked way along the axis; for two prompts, how much the trained model's
 loss rises when each video is told the other prompt (``swapped_prompt_loss``). Prints JSON.
 
@@ -34,6 +35,8 @@ from serve_app.trainer.statistics import wilson_interval
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 
 RED_CIRCLE_RIGHT = "a red circle moving left to right"
+# The model before two-frame tokens shipped; a key=value override (model.temporal_patch=2) still wins.
+ONE_FRAME_MODEL = ["model.temporal_patch=1", "model.text_neighbour_bias=0", "train_text_encoder=true"]
 SWAP_SIGMAS = (0.9, 0.75, 0.5)  # where the training sigmas (logit-normal, mean 1) are densest, and below
 CASES: dict[str, dict] = {
     "no_condition": {"prompts": [RED_CIRCLE_RIGHT]},
@@ -57,7 +60,7 @@ def shown(prompts: list[str], drawn_as: str | None) -> list[MotionSpec] | None:
 def run_case(name: str, steps: int, samples_per_prompt: int, overrides: list[str]) -> dict:
     case = CASES[name]
     config = load_pretrain_config("motion/pretrain", [
-        f"steps={steps}", "eval.every=0", "eval.samples_per_prompt=1", "prompt_dropout=0",
+        f"steps={steps}", "eval.every=0", "eval.samples_per_prompt=1", "prompt_dropout=0", *ONE_FRAME_MODEL,
         *case.get("overrides", []), *overrides])
     # The run's own evaluation draws one sample a prompt; the figures come from more, with its settings.
     settings = config.eval.model_copy(update={"samples_per_prompt": samples_per_prompt})
@@ -73,6 +76,7 @@ def run_case(name: str, steps: int, samples_per_prompt: int, overrides: list[str
     lo, hi = wilson_interval(right, on_axis) if on_axis else (None, None)
     return {
         "prompts": case["prompts"], "drawn_as": case.get("drawn_as", "asked"), "overrides": case.get("overrides", []),
+        "temporal_patch": config.model.temporal_patch, "train_text_encoder": config.train_text_encoder,
         "steps": steps, "minutes": entries[-1]["minutes"], "loss": entries[-1]["loss"], "samples": len(found),
         "direction_accuracy": right / len(found),
         "on_the_asked_axis": on_axis / len(found),

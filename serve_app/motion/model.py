@@ -4,12 +4,13 @@ Components, all loaded by the stock ``WanPipeline.from_pretrained`` and our WanP
 
 * ``vae``: :class:`~serve_app.models.pixel_vae.PixelPatchVideoVAE` - each 32x32 RGB frame folded
   into ``3 p^2`` channels at ``32/p`` per side, no weights, temporal factor 1 (any frame count);
-  the transformer's 1x2x2 patches make ``(32 / 2p)^2`` tokens per frame.
+  the transformer's ``temporal_patch`` x 2 x 2 patches make ``(32 / 2p)^2`` tokens per
+  ``temporal_patch`` frames (the shipped model: 2, as stock Wan).
 * ``tokenizer``: word level over Qwen2's own pieces of the motion grammar
   (:func:`~serve_app.models.tokenizer.build_word_level_tokenizer`), ``model_max_length`` 16, so the
   transformer cross-attends to 16 text positions instead of the stock 512.
 * ``text_encoder``: a small UMT5 encoder (relative position buckets: "left to right" and "right to
-  left" are the same words in another order).
+  left" are the same words in another order; ``text_neighbour_bias`` keeps that order visible).
 * ``transformer``: WanTransformer3DModel, a few blocks.
 * ``scheduler``: FlowMatchEulerDiscreteScheduler with a static shift (Wan2.1's ``flow_shift`` is 3).
 """
@@ -68,11 +69,12 @@ def attend_to_neighbours(text_encoder: UMT5EncoderModel, bias: float) -> None:
 
     Wan's cross-attention sees the prompt as a set of vectors (no positions), so word order reaches the
     transformer only through the text encoder. From UMT5's random init (biases of std ~0.1, attention
-    nearly uniform) the shipped model's 4000 pretraining steps did not learn it: "... left to right" lies
-    0.004 as far from "... right to left" as from "... top to bottom" (``evaluation.word_order_gap``),
-    and the model draws the asked axis with either sign. A bias on the neighbour's
-    bucket makes each word's vector depend on the word before / after it from the first step (0.8 after
-    pretraining with the text encoder frozen); the checkpoint README has what that changed.
+    nearly uniform) 4000 pretraining steps with the encoder training along did not learn it: "... left to
+    right" lay 0.004 as far from "... right to left" as from "... top to bottom"
+    (``evaluation.word_order_gap``), and the model drew the asked axis with either sign. A bias on the
+    neighbour's bucket makes each word's vector depend on the word before / after it from the first step
+    (0.8 after pretraining with the text encoder frozen, as the shipped model is); the checkpoint README
+    has what that changed.
     """
     if bias == 0:
         return

@@ -152,6 +152,8 @@ def test_probe_motion_sign(flowgrpo_home):
     assert list(cases) == ["sign_only_in_the_words", "no_condition"]
     words = cases["sign_only_in_the_words"]
     assert words["drawn_as"] == "red circle" and words["samples"] == 4 and words["steps"] == 2
+    # The probes ask about the one-frame model whose text encoder trains along, whatever ships now.
+    assert (words["temporal_patch"], words["train_text_encoder"]) == (1, True)
     assert sum(sum(counts.values()) for counts in words["went"].values()) == 4
     assert set(words["went"]) == {"left to right", "right to left"}
     assert cases["no_condition"]["samples"] == 2 and list(cases["no_condition"]["went"]) == ["left to right"]

@@ -59,17 +59,22 @@ def test_noise_zero_reproduces_the_stock_wan_pipeline(policy, ode_sample):
     torch.testing.assert_close(video, stock, atol=5e-5, rtol=0)
 
 
-def test_the_shipped_model_reads_the_colour_word_and_prompt_reliance_is_one_for_its_own_prompt(policy):
+def test_the_shipped_model_reads_the_colour_and_the_sign_and_prompt_reliance_is_one_for_its_own_prompt(policy):
     from serve_app.motion.pretrain import VideoBatches, load_pretrain_config
     from serve_app.pretraining import prompt_reliance
 
-    own, blue = "a red circle moving left to right", "a blue circle moving left to right"
+    own, blue, other_way = ("a red circle moving left to right", "a blue circle moving left to right",
+                            "a red circle moving right to left")
     config = load_pretrain_config("motion/pretrain", ["batch_size=16", "seed=7"])
     videos, picks = VideoBatches(config, [own]).next()
     latents = policy.encode_videos(videos.float() / 255.0)
-    tokens = policy.text_processor().tokenize([own, blue])
+    tokens = policy.text_processor().tokenize([own, blue, other_way])
     same = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[0]] * 16, sigmas=(0.75,), size=32)
     assert same["0.75"]["ratio"] == 1.0
-    # The same red circles said to be blue: measured x11 over 64 videos (x2.5 at sigma 0.9).
+    # The same red circles said to be blue: measured x7.3 (x6.7 over 64 videos, x2.0 at sigma 0.9).
     swapped = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[1]] * 16, sigmas=(0.75,), size=32)
     assert swapped["0.75"]["ratio"] > 3
+    # Said to go the other way: measured x1.48 (x1.42-1.53 over seeds 7-9). The one-frame checkpoint
+    # before it, whose tokens held one frame each, gave x1.000: it ignored the words for the sign.
+    reversed_ = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[2]] * 16, sigmas=(0.75,), size=32)
+    assert reversed_["0.75"]["ratio"] > 1.2

@@ -55,9 +55,10 @@ def test_a_few_steps_lower_the_loss_and_save_a_loadable_wan_pipeline(tmp_path, q
     tokens = policy.text_processor().tokenize(["a red circle moving left to right", "a red circle moving right to left"])
     embeds = policy.encode_prompts(tokens).embeds
     assert not torch.allclose(embeds[0], embeds[1])
-    params = SamplingParams(num_frames=5, num_steps=2, guidance_scale=1.0, sde_window_size=None, seed=0)
+    params = SamplingParams(num_frames=6, num_steps=2, guidance_scale=1.0, sde_window_size=None, seed=0)
     batch = sample_group(policy, tokens[:1], 2, params, policy_version=0)
-    assert batch.images.shape == (2, 5, 3, 32, 32)  # any frame count: the pixel VAE's temporal factor is 1
+    # Any even frame count: the pixel VAE's temporal factor is 1, and a token spans two frames.
+    assert batch.images.shape == (2, 6, 3, 32, 32)
 
 
 def test_two_frame_tokens_train_sample_and_refuse_an_odd_frame_count(tmp_path, qwen2_dir):
@@ -79,6 +80,11 @@ def test_two_frame_tokens_train_sample_and_refuse_an_odd_frame_count(tmp_path, q
     with pytest.raises(InvalidRequestError) as info:
         policy.check_size(32, 32, 5)
     assert info.value.field == "sampling.num_frames"
+    # A replica's health probe forwards the fewest frames the model takes: one token's two frames.
+    from serve_app.engine import DiffusersEngine
+
+    assert policy.geometry.min_frames == 2
+    DiffusersEngine(policy).check_health()
 
 
 def test_videos_round_trip_through_the_policys_encoder_exactly(tmp_path, qwen2_dir):
