@@ -26,7 +26,7 @@ from serve_app.pretraining import EvalSettings, FlowPretrainSettings, evaluate_s
 
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
-from .scene import FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
+from .scene import DIRECTIONS, FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
 from .text_encoder import grammar_accuracy, teach_grammar
 
 
@@ -42,6 +42,9 @@ class MotionPretrainConfig(FlowPretrainSettings):
     text_pretrain_steps: int = Field(0, ge=0, description="Steps of text_encoder.teach_grammar on the train prompts "
                                                           "before the video model trains (0: none).")
     text_pretrain_lr: float = Field(3e-3, gt=0, description="Adam learning rate of those steps.")
+    direction_follows_caption: float = Field(
+        1.0, ge=0, le=1, description="Chance that a video moves the way its caption says; otherwise its direction is "
+                                     "drawn from all four, so at 0 the captions say nothing about where things go.")
 
 
 def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequence[str] = ()) -> MotionPretrainConfig:
@@ -65,9 +68,16 @@ class VideoBatches:
     def next(self) -> tuple[torch.Tensor, list[int]]:
         c = self.config
         picks = self.rng.integers(0, len(self.prompts), size=c.batch_size).tolist()
-        videos = np.stack([render(self.specs[i], self.rng, frames=c.num_frames, size=c.image_size, sides=c.scene_sides,
-                                  min_travel_frac=c.min_travel_frac, grid=c.scene_grid) for i in picks])
+        videos = np.stack([render(self._shown(i), self.rng, frames=c.num_frames, size=c.image_size,
+                                  sides=c.scene_sides, min_travel_frac=c.min_travel_frac, grid=c.scene_grid)
+                           for i in picks])
         return torch.from_numpy(videos), picks
+
+    def _shown(self, index: int) -> MotionSpec:
+        spec, follows = self.specs[index], self.config.direction_follows_caption
+        if follows == 1.0 or self.rng.random() < follows:  # at 1 no draw: the stream stays as it was
+            return spec
+        return MotionSpec(spec.obj, str(self.rng.choice(list(DIRECTIONS))))
 
 
 def evaluate(policy, settings: EvalSettings, size: int, frames: int,
