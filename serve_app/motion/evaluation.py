@@ -23,8 +23,8 @@ from serve_app.trainer.evaluation import SplitScores
 from .checker import MotionVerdict, check_video
 from .scene import parse_prompt, split_prompts
 
-EVAL_COLUMNS = ("direction_accuracy", "strict_accuracy", "partial_score", "count_accuracy", "colour_accuracy",
-                "shape_accuracy")
+EVAL_COLUMNS = ("direction_accuracy", "one_object_direction_accuracy", "strict_accuracy", "partial_score",
+                "count_accuracy", "colour_accuracy", "shape_accuracy")
 INTERVAL_COLUMNS = tuple(f"{column}_{end}" for column in EVAL_COLUMNS for end in ("lo", "hi"))
 
 
@@ -56,6 +56,9 @@ def per_video(found: Sequence[MotionVerdict]) -> dict[str, list[float]]:
         raise ValueError("no verdicts to summarise")
     return {
         "direction_accuracy": [float(v.direction_ok) for v in found],
+        # direction follows the largest object; this also asks that every frame show just one, so a
+        # smear or a second blob that happens to move the asked way does not count
+        "one_object_direction_accuracy": [float(v.direction_ok and v.count_ok) for v in found],
         "strict_accuracy": [float(v.strict) for v in found],
         "partial_score": [v.partial for v in found],
         "count_accuracy": [float(v.count_ok) for v in found],

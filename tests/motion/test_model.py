@@ -71,10 +71,10 @@ def test_the_shipped_model_reads_the_colour_and_the_sign_and_prompt_reliance_is_
     tokens = policy.text_processor().tokenize([own, blue, other_way])
     same = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[0]] * 16, sigmas=(0.75,), size=32)
     assert same["0.75"]["ratio"] == 1.0
-    # The same red circles said to be blue: measured x7.3 (x6.7 over 64 videos, x2.0 at sigma 0.9).
+    # The same red circles said to be blue: measured x8.0 (x7.9-8.0 over seeds 7-9; x7.2 over 64 videos).
     swapped = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[1]] * 16, sigmas=(0.75,), size=32)
     assert swapped["0.75"]["ratio"] > 3
-    # Said to go the other way: measured x1.48 (x1.42-1.53 over seeds 7-9). The one-frame checkpoint
+    # Said to go the other way: measured x1.70 (x1.61-1.74 over seeds 7-9). The one-frame checkpoint
     # before it, whose tokens held one frame each, gave x1.000: it ignored the words for the sign.
     reversed_ = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[2]] * 16, sigmas=(0.75,), size=32)
     assert reversed_["0.75"]["ratio"] > 1.2
