@@ -52,7 +52,8 @@ class MotionVerdict:
     - ``colour_ok`` / ``shape_ok``: every frame shows the asked colour / shape and no other (the
       shapes checker's sub-scores, frame by frame); a shape it cannot name is "unknown" and fails.
     - ``direction``: where the subject went (one of DIRECTIONS, "static" or "unknown");
-      ``direction_ok`` when it is the asked one.
+      ``direction_ok`` when it is the asked one; ``one_object_direction_ok`` when, besides, every
+      frame shows exactly one object.
     - ``strict``: every frame is strictly right and the direction is.
     - ``partial``: mean of the colour, shape and direction sub-scores.
     """
@@ -65,6 +66,12 @@ class MotionVerdict:
     direction: str
     frames: tuple[Verdict, ...]
     track: np.ndarray | None  # [F, 2] (y, x) centres of the subject's box; None if lost in a frame
+
+    @property
+    def one_object_direction_ok(self) -> bool:
+        """The asked direction with exactly one object in every frame: the direction follows the largest
+        object, so a second blob or a smear beside it would otherwise go unnoticed."""
+        return self.direction_ok and self.count_ok
 
     @property
     def partial(self) -> float:

@@ -1,8 +1,9 @@
 """Moving-shapes evaluation: fixed prompt x seed sets, accuracies from the motion checker, filmstrips.
 
 Computed here once for pretraining, the FlowGRPO trainer (``MotionEvaluator``) and benchmarks. The
-headline is direction accuracy (the subject found in every frame and moving the asked way); strict
-accuracy also needs every frame to show just the asked shape in the asked colour. Intervals are the
+headline is direction accuracy (the subject found in every frame and moving the asked way);
+one-object direction accuracy also needs exactly one object in every frame, and strict accuracy every
+frame to show just the asked shape in the asked colour. Intervals are the
 shapes world's (serve_app.shapes.evaluation): Wilson per accuracy, a bootstrap for partial_score.
 """
 
@@ -56,9 +57,7 @@ def per_video(found: Sequence[MotionVerdict]) -> dict[str, list[float]]:
         raise ValueError("no verdicts to summarise")
     return {
         "direction_accuracy": [float(v.direction_ok) for v in found],
-        # direction follows the largest object; this also asks that every frame show just one, so a
-        # smear or a second blob that happens to move the asked way does not count
-        "one_object_direction_accuracy": [float(v.direction_ok and v.count_ok) for v in found],
+        "one_object_direction_accuracy": [float(v.one_object_direction_ok) for v in found],
         "strict_accuracy": [float(v.strict) for v in found],
         "partial_score": [v.partial for v in found],
         "count_accuracy": [float(v.count_ok) for v in found],

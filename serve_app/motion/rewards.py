@@ -54,7 +54,7 @@ def motion_direction_one_object() -> RewardFn:
     """1.0 if every frame shows exactly one object and it moves in the asked direction, else 0.0: what
     ``motion_direction`` asks without its loophole, a second blob beside the subject (the direction
     follows the largest object in each frame, so extra blobs cost it nothing)."""
-    return _verdict_reward(lambda v: float(v.direction_ok and v.count_ok))
+    return _verdict_reward(lambda v: float(v.one_object_direction_ok))
 
 
 def motion_partial() -> RewardFn:
