@@ -23,3 +23,24 @@ def load_module(name: str, path: Path) -> ModuleType:
 def independent_video_renderer() -> ModuleType:
     """tests/motion/independent_renderer.py."""
     return load_module("motion_independent_renderer", Path(__file__).with_name("independent_renderer.py"))
+
+
+@pytest.fixture(scope="session")
+def add_second_blob():
+    """Paints a 5x5 red square into every frame of a uint8 [F, 3, H, W] video, in place, where no frame
+    shows its subject (with a pixel of margin): a second object beside the one that moves."""
+    import torch
+
+    from serve_app.motion.scene import BACKGROUND, COLOURS
+
+    def add(video: torch.Tensor) -> None:
+        occupied = (video != torch.tensor(BACKGROUND, dtype=torch.uint8)[:, None, None]).any(1).any(0)
+        side = video.shape[-1]
+        for y in (1, side - 6):
+            for x in (1, side - 6):
+                if not occupied[y - 1:y + 6, x - 1:x + 6].any():
+                    video[:, :, y:y + 5, x:x + 5] = torch.tensor(COLOURS["red"], dtype=torch.uint8)[:, None, None]
+                    return
+        raise AssertionError("the subject touches every corner of the frame")
+
+    return add

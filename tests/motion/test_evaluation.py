@@ -35,15 +35,9 @@ def test_scores_direction_apart_from_the_rest():
     assert scores["one_object_direction_accuracy"] == pytest.approx(0.5)  # one object in every frame of all four
 
 
-def test_a_second_blob_keeps_direction_and_loses_one_object_direction():
-    from serve_app.motion.scene import BACKGROUND, COLOURS
-
+def test_a_second_blob_keeps_direction_and_loses_one_object_direction(add_second_blob):
     videos = rendered(["a red circle moving top to bottom"] * 2)
-    # A small red square in every frame of the second video, beside the column the subject moves down:
-    # a second object the direction (the largest object's path) ignores.
-    subject_columns = (videos[1, 0] != torch.tensor(BACKGROUND, dtype=torch.uint8)[:, None, None]).any(0).any(0).nonzero()
-    column = 1 if subject_columns.min() >= 8 else 26
-    videos[1, :, :, 13:18, column:column + 5] = torch.tensor(COLOURS["red"], dtype=torch.uint8)[:, None, None]
+    add_second_blob(videos[1])  # a second object the direction (the largest object's path) ignores
     scores = score_videos(videos, ["a red circle moving top to bottom"] * 2)
     assert scores["direction_accuracy"] == 1.0
     assert scores["count_accuracy"] == scores["one_object_direction_accuracy"] == 0.5

@@ -49,15 +49,10 @@ def test_direction_reward_ignores_colour_and_shape_but_not_the_way():
     assert build_reward("serve_app.motion.rewards:motion_direction")(videos, asked).tolist() == [1.0, 0.0, 1.0]
 
 
-def test_one_object_direction_reward_closes_the_second_blob_loophole():
+def test_one_object_direction_reward_closes_the_second_blob_loophole(add_second_blob):
     asked = ["a red circle moving left to right"] * 3
     videos = videos_of("red circle left to right", "red circle left to right", "red circle right to left")
-    # A small red square in the same spot of every frame of the second video, in the half the subject is not in.
-    from serve_app.motion.scene import BACKGROUND, COLOURS
-
-    subject_rows = (videos[1, 0] != torch.tensor(BACKGROUND, dtype=torch.uint8)[:, None, None]).any(0).any(1)
-    row = 1 if subject_rows.nonzero().min() >= 8 else 26
-    videos[1, :, :, row:row + 5, 1:6] = torch.tensor(COLOURS["red"], dtype=torch.uint8)[:, None, None]
+    add_second_blob(videos[1])  # a small red square in the same spot of every frame, away from the subject
     direction = build_reward("serve_app.motion.rewards:motion_direction")(videos, asked)
     one_object = build_reward("serve_app.motion.rewards:motion_direction_one_object")(videos, asked)
     assert direction.tolist() == [1.0, 1.0, 0.0]  # the direction follows the largest object: the blob is free
