@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from serve_app.models import ensure_embedded_model
-from serve_app.motion.evaluation import eval_prompts, ode_verdicts, where_they_went, word_order_gap
-from serve_app.motion.pretrain import VideoBatches, load_pretrain_config
-from serve_app.motion.scene import COLOURS, DIRECTIONS, SHAPES, parse_prompt
+from serve_app.worlds.motion.evaluation import eval_prompts, ode_verdicts, where_they_went, word_order_gap
+from serve_app.worlds.motion.pretrain import VideoBatches, load_pretrain_config
+from serve_app.worlds.motion.scene import COLOURS, DIRECTIONS, SHAPES, parse_prompt
 from serve_app.policies import load_policy
-from serve_app.pretraining import EvalSettings, prompt_reliance
+from serve_app.worlds.pretraining import EvalSettings, prompt_reliance
 
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 OWN = "a red circle moving left to right"
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=1.0, help="True CFG scale (1 = off, as the demo samples).")
     args = parser.parse_args()
 
-    model = args.model or ensure_embedded_model("serve_app.motion.model:MOTION_WAN")
+    model = args.model or ensure_embedded_model("serve_app.worlds.motion.model:MOTION_WAN")
     policy = load_policy(model, family="wan", components=VAE)
     prompts = eval_prompts(args.split)
     settings = EvalSettings(samples_per_prompt=args.samples_per_prompt, num_steps=args.steps, seed=args.seed,

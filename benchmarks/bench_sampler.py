@@ -43,7 +43,7 @@ CASES = {
     # The random tiny Wan2.1 (3-D causal VAE, temporal factor 4): 9 frames = 3 latent frames.
     "tiny-wan": Case("tiny-wan", 32, 9),
     # The pretrained moving-shapes Wan (pixel-space VAE): the make demo WORLD=video model and sizes.
-    "motion-wan": Case("serve_app.motion.model:MOTION_WAN", 32, 4,
+    "motion-wan": Case("serve_app.worlds.motion.model:MOTION_WAN", 32, 4,
                        {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}),
 }
 

@@ -34,9 +34,9 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 
 def in_process_runner(config):
-    from serve_app.assembler import TrajectoryAssembler
-    from serve_app.engine import DiffusersEngine
-    from serve_app.planner import RolloutPlanner
+    from serve_app.serving.aggregator import TrajectoryAssembler
+    from serve_app.serving.engine import DiffusersEngine
+    from serve_app.serving.ingress import RolloutPlanner
     from serve_app.policies import load_configured_policy
     from serve_app.rewards import CompositeReward
 

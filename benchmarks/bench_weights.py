@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from serve_app.local_ray import benchmark_cluster
-    from serve_app.weight_registry import RegistryStore
+    from serve_app.weights.registry import RegistryStore
     from serve_app.weights import WeightStore
 
     report = {"benchmark": "bench_weights", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

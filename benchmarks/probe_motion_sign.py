@@ -25,11 +25,11 @@ import argparse
 import json
 import tempfile
 
-from serve_app.motion.evaluation import ode_verdicts, where_they_went
-from serve_app.motion.pretrain import VideoBatches, load_pretrain_config, pretrain
-from serve_app.motion.scene import MotionSpec, parse_prompt
+from serve_app.worlds.motion.evaluation import ode_verdicts, where_they_went
+from serve_app.worlds.motion.pretrain import VideoBatches, load_pretrain_config, pretrain
+from serve_app.worlds.motion.scene import MotionSpec, parse_prompt
 from serve_app.policies import load_policy
-from serve_app.pretraining import prompt_reliance
+from serve_app.worlds.pretraining import prompt_reliance
 from serve_app.trainer.statistics import wilson_interval
 
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}

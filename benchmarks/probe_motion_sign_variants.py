@@ -33,7 +33,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import nn
 
-from serve_app.motion.pretrain import load_pretrain_config
+from serve_app.worlds.motion.pretrain import load_pretrain_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe_motion_sign  # noqa: E402  (a sibling script, not a package)

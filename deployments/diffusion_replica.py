@@ -1,4 +1,4 @@
-"""DiffusionReplica: a thin Serve shell over a SamplingEngine (serve_app.engine_contract; one policy per
+"""DiffusionReplica: a thin Serve shell over a SamplingEngine (serve_app.serving.engine_contract; one policy per
 replica, batched chunks; the engine is chosen by replica.backend)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from ray import serve
 from ray.serve import metrics
 
 from serve_app.config import RolloutConfig
-from serve_app.engine import load_engine as load_backend_engine
-from serve_app.engine_contract import SamplingEngine
+from serve_app.serving.engine import load_engine as load_backend_engine
+from serve_app.serving.engine_contract import SamplingEngine
 from serve_app.errors import WeightMismatchError
-from serve_app.options import check_running_options
+from serve_app.serving.options import check_running_options
 from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import RolloutChunk, Trajectory
 

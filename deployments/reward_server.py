@@ -12,7 +12,7 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
-from serve_app.options import check_reward_server_options
+from serve_app.serving.options import check_reward_server_options
 from serve_app.rewards.composite import RewardSpec, resolve_groupwise, score_fused
 from serve_app.rewards.registry import build_reward
 from serve_app.rewards.video import check_sample_batch

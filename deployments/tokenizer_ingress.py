@@ -5,8 +5,6 @@ it arrives (while other chunks still sample), then has the aggregator assemble t
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
 import time
 from collections.abc import Coroutine
@@ -21,19 +19,17 @@ from ray.exceptions import RayActorError
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.assembler import ScoreStream
+from serve_app.serving.aggregator import ScoreStream
 from serve_app.config import RolloutConfig
 from serve_app.errors import InvalidRequestError, ReplicaUnavailableError, http_error
-from serve_app.options import check_running_options
-from serve_app.planner import RolloutPlanner
-from serve_app.rewards import TOTAL_KEY
+from serve_app.serving.options import check_running_options
+from serve_app.serving.ingress import RolloutPlanner, to_response
 from serve_app.schemas import (
     ErrorResponse,
     GroupScores,
     RolloutChunk,
     RolloutRequest,
     RolloutResponse,
-    SampleOut,
     ScoreJob,
     Trajectory,
     TrajectoryBatch,
@@ -81,45 +77,6 @@ async def _all_or_cancel(coroutines: list[Coroutine[Any, Any, Any]]) -> list[Any
         for task in tasks:
             task.cancel()
         raise
-
-
-def _png_base64(image) -> str:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def _mp4_base64(video) -> str:
-    from serve_app.video import encode_mp4
-
-    return base64.b64encode(encode_mp4(video)).decode()
-
-
-def to_response(batch: TrajectoryBatch, *, return_images: bool) -> RolloutResponse:
-    """JSON for people and other languages (trainers take the tensors by handle). With return_images,
-    each sample's image as a PNG, or its video ([F, 3, H, W] frames) as an H.264 MP4."""
-    t = batch.trajectory
-    total = batch.rewards[TOTAL_KEY]
-    videos = t.images.ndim == 5
-    samples = [
-        SampleOut(
-            prompt_index=int(t.prompt_index[i]),
-            sample_index=int(t.sample_index[i]),
-            seed=int(t.seeds[i]),
-            reward=float(total[i]),
-            advantage=float(batch.advantages[i]),
-            log_probs=t.log_probs[i].tolist(),
-            image_png_base64=_png_base64(t.images[i]) if return_images and not videos else None,
-            video_mp4_base64=_mp4_base64(t.images[i]) if return_images and videos else None,
-        )
-        for i in range(len(t))
-    ]
-    return RolloutResponse(
-        policy_version=batch.policy_version, request_id=batch.request_id, samples=samples, metrics=batch.metrics,
-        dropped_groups=batch.dropped_groups,
-    )
 
 
 @serve.ingress(api)

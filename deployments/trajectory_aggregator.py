@@ -11,10 +11,10 @@ import torch
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.assembler import TrajectoryAssembler
+from serve_app.serving.aggregator import TrajectoryAssembler
 from serve_app.config import RolloutConfig
 from serve_app.errors import WeightMismatchError
-from serve_app.options import check_running_options
+from serve_app.serving.options import check_running_options
 from serve_app.rewards.composite import CompositeReward, RemoteReward
 from serve_app.schemas import GroupScores, ScoreJob, Trajectory, TrajectoryBatch
 from serve_app.weights import open_weight_store

@@ -5,7 +5,7 @@
                                                      \\--(uint8 images, prompts)--> RewardServer_<key> x M
                                                         (one deployment per reward placed on one)
 
-Every deployment option comes from the rollout config (serve_app.options); serve_config.yaml's
+Every deployment option comes from the rollout config (serve_app.serving.options); serve_config.yaml's
 `args` choose the config and override it, and its `deployments:` restate nothing.
 """
 
@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import RolloutConfig, load_config
-from serve_app.options import deployment_options, reward_server_options
+from serve_app.serving.options import deployment_options, reward_server_options
 from serve_app.rewards.composite import reward_keys
 
 

@@ -74,6 +74,21 @@ class ReplicaUnavailableError(RolloutError):
     http_status = 503
 
 
+class RewardError(Exception):
+    """A reward raised or returned unusable values; names the reward and the prompt it scored."""
+
+    def __init__(self, reward_name: str, prompt: str | None, detail: str) -> None:
+        self.reward_name = reward_name
+        self.prompt = prompt
+        self.detail = detail
+        super().__init__(f"reward {reward_name!r} failed on prompt {prompt!r}: {detail}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Ray ships exceptions between processes by pickling; the default reduce would call
+        # __init__ with the formatted message only.
+        return (type(self), (self.reward_name, self.prompt, self.detail))
+
+
 class AppNotDeployedError(RolloutError):
     """The rollout app is not running on the Ray cluster this process is connected to."""
 
@@ -110,8 +125,6 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, str]]:
     """
     from ray.exceptions import RayTaskError
     from ray.serve.exceptions import BackPressureError
-
-    from serve_app.rewards import RewardError
 
     cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
     if isinstance(cause, BackPressureError):

@@ -1,6 +1,6 @@
 """Objects named by import path, ``"package.module:attr"``: how configs name rewards, evaluators,
 prompt sources, embedded models and pipeline components that live outside the core (a world such
-as serve_app.shapes, or the user's own package), so the core never imports them by name."""
+as serve_app.worlds.shapes, or the user's own package), so the core never imports them by name."""
 
 from __future__ import annotations
 

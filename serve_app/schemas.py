@@ -26,6 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+# What a trajectory sampled with version 0 (the base checkpoint, no published tensors) is stamped with.
+BASE_HASH = "base"
+
 # Schema-level caps on image sides and video frames, far above any model's; each model's own limit is tighter.
 MAX_IMAGE_SIDE = 16384
 MAX_FRAMES = 4097
@@ -242,7 +245,7 @@ class Trajectory:
     policy_version:   the weights version that produced every sample here (no default: a forgotten
                       stamp must fail, not read as version 0).
     weights_hash:     the content hash of the weights the replica checked it held for that version
-                      (serve_app.replica_weights; "base" for version 0).
+                      (serve_app.weights.replica; "base" for version 0).
 
     Built by the sampler; re-cut with :meth:`take` (rows) and :meth:`cat` (parts), never field by field.
     """

@@ -5,7 +5,7 @@ import types
 import pytest
 
 from serve_app.config import load_config
-from serve_app.options import OptionConflictError, check_running_options, deployment_options
+from serve_app.serving.options import OptionConflictError, check_running_options, deployment_options
 
 CONFIG = load_config("diffusion_rollout", ["replica.num_gpus=1", "replica.autoscaling.max_replicas=8"])
 

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from serve_app.assembler import TrajectoryAssembler, merge_chunks
+from serve_app.serving.aggregator import TrajectoryAssembler, merge_chunks
 from serve_app.config import AdvantageConfig, IngressConfig
-from serve_app.engine import DiffusersEngine
+from serve_app.serving.engine import DiffusersEngine
 from serve_app.errors import (
     GroupIncompleteError,
     InvalidRequestError,
@@ -16,7 +16,7 @@ from serve_app.errors import (
     RequestTooLargeError,
 )
 from serve_app.flowgrpo.sampler import sample_group
-from serve_app.planner import RolloutPlanner
+from serve_app.serving.ingress import RolloutPlanner
 from serve_app.policies.base import ImageGeometry
 from serve_app.rewards import CompositeReward, RewardError, RewardSpec
 from serve_app.schemas import RolloutRequest, SamplingParams

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from serve_app.config import IngressConfig
-from serve_app.engine import DiffusersEngine
+from serve_app.serving.engine import DiffusersEngine
 from serve_app.errors import PolicyVersionError
-from serve_app.planner import RolloutPlanner
+from serve_app.serving.ingress import RolloutPlanner
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import LoraSpec, WeightStore
 
@@ -143,7 +143,7 @@ def test_replicas_stamp_the_published_hash_of_what_they_hold(setup):
 def test_the_aggregator_refuses_a_stamp_the_store_did_not_publish(setup):
     import dataclasses
 
-    from serve_app.assembler import TrajectoryAssembler
+    from serve_app.serving.aggregator import TrajectoryAssembler
     from serve_app.config import AdvantageConfig
     from serve_app.errors import WeightMismatchError
     from serve_app.rewards import CompositeReward, RewardSpec

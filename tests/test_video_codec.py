@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from serve_app.motion import MotionSpec, render
-from serve_app.video import DEFAULT_FPS, decode_mp4, encode_mp4
+from serve_app.worlds.motion import MotionSpec, render
+from serve_app.media import DEFAULT_FPS, decode_mp4, encode_mp4
 
 # Mean absolute error (0-255) of a round trip through H.264 yuv420p at crf 18, measured: 3.2 on the
 # moving circle below and 5.0 on a two-object shapes scene (hard colour edges, chroma at half

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from serve_app.errors import PolicyVersionError
-from serve_app.weight_registry import RegistryEntry, WeightRegistry
+from serve_app.weights.registry import RegistryEntry, WeightRegistry
 from serve_app.weights import LoraSpec
 
 LORA = LoraSpec(rank=2, alpha=2.0, target_modules=["proj_out"])
@@ -21,7 +21,7 @@ def test_the_registry_keeps_the_last_versions_and_names_what_it_has():
         registry.register(_entry(version))
     assert registry.versions() == [2, 3]
     assert registry.entry(3).content_hash == "hash3"
-    with pytest.raises(PolicyVersionError, match=r"policy version 1 does not exist in the weight store; available: 0 \(base\), 2\.\.3"):
+    with pytest.raises(PolicyVersionError, match=r"policy version 1 does not exist; available: 0 \(base\), 2\.\.3"):
         registry.entry(1)
     with pytest.raises(PolicyVersionError, match="already published"):
         registry.register(_entry(3))
@@ -46,7 +46,7 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 def test_versions_travel_through_the_object_store_and_outlive_their_publisher(ray_cluster):
     import ray
 
-    from serve_app.weight_registry import RegistryStore
+    from serve_app.weights.registry import RegistryStore
     from serve_app.weights import content_hash
 
     @ray.remote(num_cpus=0)

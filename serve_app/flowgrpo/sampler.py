@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -20,9 +21,30 @@ from serve_app.flowgrpo.seeding import (
     group_seeds_for,
     sample_generators,
 )
-from serve_app.policies.base import DiffusionPolicy, images_to_uint8
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams, Trajectory
-from serve_app.weights import BASE_HASH
+from serve_app.media import to_uint8
+from serve_app.schemas import BASE_HASH, PromptEmbeds, PromptTokens, SamplingParams, Trajectory
+
+
+class SamplingPolicy(Protocol):
+    """What the sampler needs of a model family's adapter (serve_app.policies.DiffusionPolicy is one)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def text_processor(self) -> Any: ...
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds: ...
+    def check_size(self, height: int, width: int, num_frames: int = 1) -> None: ...
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]: ...
+    def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor: ...
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *,
+                 negative: PromptEmbeds | None, guidance_scale: float, height: int, width: int) -> torch.Tensor:
+        """float32 velocity [B, ...] of latents [B, ...] at sigmas [B], with true CFG when a negative is given."""
+        ...
+
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        """Images [B, 3, H, W] (videos [B, F, 3, H, W]) float in [0, 1]."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +69,7 @@ def window_steps(params: SamplingParams, window_start: int | None) -> list[int]:
 
 
 def transition(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     latents: torch.Tensor,
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
@@ -90,7 +112,7 @@ class DenoiseResult:
 
 @torch.no_grad()
 def denoise(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     conditioning: Conditioning,
     latents: torch.Tensor,
     sigmas: torch.Tensor,
@@ -122,7 +144,7 @@ def denoise(
     return DenoiseResult(latents, window, logp.float())
 
 
-def initial_latents(policy: DiffusionPolicy, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def initial_latents(policy: SamplingPolicy, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """x_1 ~ N(0, I) per sample from its own generator (the first draw of its stream)."""
     shape = (len(generators), *policy.latent_shape(params.height, params.width, params.num_frames))
     return draw_noise(shape, generators, device=policy.device).to(policy.dtype)
@@ -130,7 +152,7 @@ def initial_latents(policy: DiffusionPolicy, params: SamplingParams, generators:
 
 @torch.no_grad()
 def shared_prefix(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     conditioning: Conditioning,
     group_seeds: torch.Tensor,
     sigmas: torch.Tensor,
@@ -153,7 +175,7 @@ def shared_prefix(
 
 
 def rollout(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     conditioning: Conditioning,
     seeds: torch.Tensor,
     params: SamplingParams,
@@ -190,7 +212,7 @@ def rollout(
     # 3. Denoising loop
     result = denoise(policy, conditioning, latents, sigmas, steps, params, generators, start=start)
     # 4. Decode
-    images = images_to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width))
+    images = to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width))
     return Trajectory(
         latents=result.window_latents.cpu(),
         log_probs=result.log_probs.cpu(),
@@ -210,7 +232,7 @@ def rollout(
 
 
 def sample_group(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     prompts: Sequence[PromptTokens],
     group_size: int,
     params: SamplingParams,
@@ -241,7 +263,7 @@ def sample_group(
 
 
 def encode_conditioning(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     prompts: Sequence[PromptTokens],
     embed_row: torch.Tensor,
     negative: PromptTokens | None,
@@ -259,7 +281,7 @@ def encode_conditioning(
 
 
 def replay_step(
-    policy: DiffusionPolicy,
+    policy: SamplingPolicy,
     trajectory: Trajectory,
     k: int,
     *,

@@ -9,12 +9,11 @@ from pathlib import Path
 import torch
 
 from serve_app.config import ModelConfig
-from serve_app.policies.base import DiffusionPolicy, TextProcessor, images_to_uint8
+from serve_app.policies.base import DiffusionPolicy, TextProcessor
 
 __all__ = [
     "DiffusionPolicy",
     "TextProcessor",
-    "images_to_uint8",
     "SUPPORTED_FAMILIES",
     "policy_class",
     "detect_family",

@@ -301,11 +301,6 @@ def rows_of(prompts: Sequence[str], ids: Mapping[str, torch.Tensor]) -> list[Pro
             for row, p in enumerate(prompts)]
 
 
-def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """[B, 3, H, W] (or [B, F, 3, H, W]) float in [0, 1] -> uint8, rounding to nearest."""
-    return (images.float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu()
-
-
 @lru_cache(maxsize=64)
 def _cached_schedule(policy: DiffusionPolicy, num_steps: int, height: int, width: int) -> torch.Tensor:
     # The scheduler keeps state; a private copy per call keeps concurrent requests apart.

@@ -12,6 +12,8 @@ from typing import Any, Literal, Protocol, Sequence, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serve_app.errors import RewardError
+
 from .registry import RewardFn, build_reward, declares_groupwise
 from .video import check_sample_batch
 
@@ -21,21 +23,6 @@ TOTAL_KEY = "total"
 
 # A reward on a RewardServer, seen from the caller: (images, prompts) -> values, awaited.
 RemoteReward = Callable[[torch.Tensor, list[str]], Awaitable[Any]]
-
-
-class RewardError(Exception):
-    """A reward raised or returned unusable values; names the reward and the prompt it scored."""
-
-    def __init__(self, reward_name: str, prompt: str | None, detail: str) -> None:
-        self.reward_name = reward_name
-        self.prompt = prompt
-        self.detail = detail
-        super().__init__(f"reward {reward_name!r} failed on prompt {prompt!r}: {detail}")
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        # Ray ships exceptions between processes by pickling; the default reduce would call
-        # __init__ with the formatted message only.
-        return (type(self), (self.reward_name, self.prompt, self.detail))
 
 
 class RewardServerOptions(BaseModel):

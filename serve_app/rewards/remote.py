@@ -37,9 +37,7 @@ servers accept; the reply's ``choices[0].message.content`` is parsed by :func:`p
 
 from __future__ import annotations
 
-import base64
 import http.client
-import io
 import json
 import math
 import os
@@ -54,14 +52,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-import numpy as np
 import torch
-from PIL import Image
+
+from serve_app.media import png_base64
 
 from .registry import RewardFn, register_reward
 from .video import check_sample_batch
 
-__all__ = ["JsonPoster", "RemoteRewardError", "encode_png_base64", "encode_samples", "parse_score", "remote_score",
+__all__ = ["JsonPoster", "RemoteRewardError", "encode_samples", "parse_score", "remote_score",
            "spaced_frames", "vlm_judge"]
 
 _MAX_RESPONSE_BYTES = 8 << 20  # a reply of scores is a few kB; refuse to buffer anything huge
@@ -253,24 +251,13 @@ def _snippet(raw: bytes, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def encode_png_base64(images: torch.Tensor) -> list[str]:
-    """Base64 (standard alphabet, no line breaks) of each uint8 ``[B, 3, H, W]`` image as a PNG."""
-    arrays = images.detach().cpu().permute(0, 2, 3, 1).numpy()
-    encoded = []
-    for arr in arrays:
-        buffer = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(arr)).save(buffer, format="PNG")
-        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
-    return encoded
-
-
 def encode_samples(samples: torch.Tensor) -> list[str] | list[list[str]]:
     """One base64 PNG per image of ``[B, 3, H, W]``, or per video of ``[B, F, 3, H, W]`` the list of its
     frames' PNGs in time order."""
     if samples.ndim == 4:
-        return encode_png_base64(samples)
+        return png_base64(samples)
     frames = samples.shape[1]
-    flat = encode_png_base64(samples.flatten(0, 1))
+    flat = png_base64(samples.flatten(0, 1))
     return [flat[i : i + frames] for i in range(0, len(flat), frames)]
 
 

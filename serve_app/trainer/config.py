@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from serve_app.config import RolloutConfig, _Section, load_config
+from serve_app.config import RolloutConfig, Section, load_config
 from serve_app.imports import import_object
 
 
-class LoraSection(_Section):
+class LoraSection(Section):
     """LoRA on the transformer (peft); disabled = full fine-tune of the transformer."""
 
     enabled: bool = Field(True, description="Train a LoRA adapter; False trains every transformer weight.")
@@ -32,7 +32,7 @@ class LoraSection(_Section):
     )
 
 
-class EvaluationSection(_Section):
+class EvaluationSection(Section):
     """What the ODE evaluations every `trainer.eval_every` steps measure (rows of eval.csv)."""
 
     evaluator: str = Field(
@@ -45,7 +45,7 @@ class EvaluationSection(_Section):
     grid_samples: int = Field(4, ge=1, description="Samples per prompt shown in the evaluation grids.")
 
 
-class MismatchSection(_Section):
+class MismatchSection(Section):
     """The rollout-vs-replay mismatch monitor and truncated importance sampling (serve_app.trainer.mismatch)."""
 
     max_abs_log_ratio: float = Field(
@@ -61,7 +61,7 @@ class MismatchSection(_Section):
     )
 
 
-class DistributedSection(_Section):
+class DistributedSection(Section):
     """Data-parallel training on Ray Train (serve_app.trainer.distributed); workers 1 trains in this process."""
 
     workers: int = Field(1, ge=1, description="TorchTrainer workers (ranks); each replays its shard of every rollout.")
@@ -73,7 +73,7 @@ class DistributedSection(_Section):
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per worker (fractions allowed).")
 
 
-class TrainerSection(_Section):
+class TrainerSection(Section):
     """The FlowGRPO loop: batch shape, optimiser, objective, logging."""
 
     steps: int = Field(30, ge=1, description="Training steps (one rollout request each).")

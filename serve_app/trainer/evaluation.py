@@ -5,7 +5,7 @@ is the model before training) and saves a grid; `finish()` adds `eval_before.png
 `eval_after.png` and the evaluator's plot. What is measured is an :class:`Evaluator`, named by
 import path in `trainer.evaluation.evaluator` and built with `trainer.evaluation.args`:
 :class:`RewardEvaluator` (the configured reward's mean) by default, or a world's own, such as
-``serve_app.shapes.evaluation:ShapesEvaluator``.
+``serve_app.worlds.shapes.evaluation:ShapesEvaluator``.
 
 An evaluator that is `paired` gives its headline per image; every evaluation then also reports the
 change of the headline against the split's first evaluation (step 0) on the same prompts and seeds,

@@ -1,7 +1,7 @@
 """What the trainer trains: a peft LoRA adapter named like the replicas' one, or the whole transformer.
 
 The adapter is added with `transformer.add_adapter(..., adapter_name="flowgrpo")` (diffusers'
-PeftAdapterMixin) exactly as :class:`serve_app.replica_weights.PolicyVersions` does on a replica, so the keys
+PeftAdapterMixin) exactly as :class:`serve_app.weights.replica.PolicyVersions` does on a replica, so the keys
 of `get_peft_model_state_dict` load there unchanged. peft's default init sets B = 0: a fresh
 adapter is a no-op and the trainer's weights at version 0 equal the base checkpoint's.
 """
@@ -14,10 +14,9 @@ from collections.abc import Iterator
 
 import torch
 
-from serve_app.replica_weights import ADAPTER
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.trainer.config import LoraSection
-from serve_app.weights import LoraSpec, WeightKind
+from serve_app.weights.versions import ADAPTER, LoraSpec, WeightKind
 
 
 

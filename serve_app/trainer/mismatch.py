@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
+
+from serve_app.flowgrpo.ratios import LogRatioSummary, replay_log_probs, summarize_log_ratios
 
 if TYPE_CHECKING:
     from serve_app.policies.base import DiffusionPolicy
@@ -40,27 +41,6 @@ MismatchAction = Literal["warn", "stop"]
 
 class RolloutMismatchError(RuntimeError):
     """The rollout engine's log-probs differ from the trainer's replay by more than the configured bound."""
-
-
-@dataclass(frozen=True)
-class LogRatioSummary:
-    """Quantiles of |log ratio| over a set of transitions (NaN when there are none)."""
-
-    p50: float
-    p99: float
-    max: float
-    count: int
-
-
-def summarize_log_ratios(log_ratios: torch.Tensor) -> LogRatioSummary:
-    """p50 / p99 / max of |log_ratios| (any shape); a non-finite value makes every quantile inf."""
-    values = log_ratios.detach().abs().flatten().double().cpu()
-    if values.numel() == 0:
-        return LogRatioSummary(math.nan, math.nan, math.nan, 0)
-    if not bool(torch.isfinite(values).all()):
-        return LogRatioSummary(math.inf, math.inf, math.inf, values.numel())
-    q = torch.quantile(values, torch.tensor([0.5, 0.99], dtype=torch.float64))
-    return LogRatioSummary(float(q[0]), float(q[1]), float(values.max()), values.numel())
 
 
 def truncated_is_weight(trainer_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float) -> torch.Tensor:
@@ -93,17 +73,10 @@ class MismatchMonitor:
     @torch.no_grad()
     def begin(self, policy: DiffusionPolicy, trajectory: Trajectory, *, micro_batch_size: int) -> None:
         """Start an update; with TIS, replay the whole batch once under the pre-update weights."""
-        from serve_app.flowgrpo.sampler import replay_step
-
         self._observed, self._weights, self._trainer_old = [], [], None
         if self.tis_cap is None:
             return
-        window = trajectory.log_probs.shape[1]
-        old = torch.empty_like(trajectory.log_probs)
-        for rows in torch.arange(len(trajectory)).split(micro_batch_size):
-            for k in range(window):
-                old[rows, k] = replay_step(policy, trajectory, k, rows=rows).log_prob.float().cpu()
-        self._trainer_old = old
+        self._trainer_old = replay_log_probs(policy, trajectory, micro_batch_size=micro_batch_size)
 
     def observe(self, replay_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> None:
         """A first replay (before any optimizer step): record its log ratios; with action "stop", raise

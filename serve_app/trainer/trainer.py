@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 import torch
 
-from serve_app.assembler import check_weights_hash
 from serve_app.errors import PolicyVersionError
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.flowgrpo.sde import kl_between_means
@@ -48,7 +47,7 @@ from serve_app.trainer.outputs import MetricsLog, plot_reward_curve, save_image_
 from serve_app.trainer.pipeline import Delivered, RolloutPipeline
 from serve_app.trainer.telemetry import TrainerTelemetry
 from serve_app.trainer.statistics import first_and_last, welch_t
-from serve_app.weights import open_weight_store
+from serve_app.weights import check_weights_hash, open_weight_store
 
 
 class TrainingDivergedError(RuntimeError):

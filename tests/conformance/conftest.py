@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from serve_app.engine import DiffusersEngine
+from serve_app.serving.engine import DiffusersEngine
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import SamplingParams
 

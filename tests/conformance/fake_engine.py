@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from serve_app.engine import DiffusersEngine
+from serve_app.serving.engine import DiffusersEngine
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.weights import VersionStore
 

@@ -1,4 +1,4 @@
-"""The engine contract's invariants (serve_app/engine_contract.py), checked for every engine x family on
+"""The engine contract's invariants (serve_app/serving/engine_contract.py), checked for every engine x family on
 CPU: seed-only noise, noise 0 == the stock pipeline, replay ratio 1, version pinning. A future engine
 is added to conftest.ENGINES and must pass this file unchanged; FLAGGED_ENGINES must fail it."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from serve_app.config import IngressConfig
-from serve_app.engine_contract import REPLAY_TOLERANCE, EmbeddedChunk, SamplingEngine, replay_verdict
+from serve_app.serving.engine_contract import REPLAY_TOLERANCE, EmbeddedChunk, SamplingEngine, replay_verdict
 from serve_app.errors import PolicyVersionError
 from serve_app.flowgrpo.sampler import encode_conditioning, initial_latents
 from serve_app.flowgrpo.seeding import sample_generators
-from serve_app.planner import RolloutPlanner
-from serve_app.policies.base import images_to_uint8
+from serve_app.serving.ingress import RolloutPlanner
+from serve_app.media import to_uint8
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import BASE_HASH, WeightStore
 
@@ -106,7 +106,7 @@ def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case,
     # uint8 images: equal, except where the stock value sits on a rounding boundary (a 1e-5 difference
     # may round either way there).
     scaled = stock.float().clamp(0, 1) * 255.0
-    differs = trajectory.images != images_to_uint8(stock)
+    differs = trajectory.images != to_uint8(stock)
     on_boundary = ((scaled - scaled.floor()) - 0.5).abs() < 1e-3
     assert not bool((differs & ~on_boundary).any()), f"{int(differs.sum())} pixels differ from the stock pipeline"
 

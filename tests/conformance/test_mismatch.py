@@ -10,18 +10,14 @@ import pytest
 import torch
 
 from serve_app.config import IngressConfig
-from serve_app.engine_contract import replay_verdict
+from serve_app.serving.engine_contract import replay_verdict
 from serve_app.flowgrpo.advantages import group_advantages
 from serve_app.flowgrpo.sampler import replay_step
-from serve_app.planner import RolloutPlanner
+from serve_app.serving.ingress import RolloutPlanner
 from serve_app.rewards import TOTAL_KEY
 from serve_app.schemas import RolloutRequest, SamplingParams, Trajectory, TrajectoryBatch
-from serve_app.trainer.mismatch import (
-    MismatchMonitor,
-    RolloutMismatchError,
-    summarize_log_ratios,
-    truncated_is_weight,
-)
+from serve_app.flowgrpo.ratios import summarize_log_ratios
+from serve_app.trainer.mismatch import MismatchMonitor, RolloutMismatchError, truncated_is_weight
 
 from tests.conformance.fake_engine import fake_bf16_engine
 

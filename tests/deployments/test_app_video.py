@@ -10,7 +10,7 @@ import torch
 
 from serve_app.config import IngressConfig
 from serve_app.errors import InvalidRequestError, RequestTooLargeError
-from serve_app.planner import RolloutPlanner
+from serve_app.serving.ingress import RolloutPlanner
 from serve_app.schemas import RolloutRequest, SamplingParams, TrajectoryBatch
 from serve_app.weights import BASE_HASH
 
@@ -85,7 +85,7 @@ def test_bad_frame_counts_and_oversized_videos_are_refused_naming_the_field(hand
 
 def test_the_http_answer_carries_one_mp4_per_sample(batch):
     from deployments.tokenizer_ingress import to_response
-    from serve_app.video import decode_mp4
+    from serve_app.media import decode_mp4
 
     answer = json.loads(to_response(batch, return_images=True).model_dump_json(exclude_none=True))
     assert len(answer["samples"]) == 6

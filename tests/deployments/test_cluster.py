@@ -99,7 +99,7 @@ def test_http_video_rollout_carries_one_mp4_per_sample(cluster):
 
     from serve_app.app import AppArgs, build_app
     from serve_app.client import RolloutClient
-    from serve_app.video import decode_mp4
+    from serve_app.media import decode_mp4
 
     video = [o for o in OVERRIDES if not o.startswith("ingress.")] + [
         "app_name=flowgrpo-video", "model=tiny_wan", "reward=video_brightness", "sampling.num_steps=3",

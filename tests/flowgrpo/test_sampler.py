@@ -199,8 +199,8 @@ def test_shared_group_noise_runs_the_steps_before_the_window_once_per_prompt(pol
 
 def test_shared_group_noise_replays_with_ratio_one_and_depends_on_seeds_only(policy, text, tiny_qwen_dir):
     from serve_app.config import IngressConfig
-    from serve_app.engine import DiffusersEngine
-    from serve_app.planner import RolloutPlanner
+    from serve_app.serving.engine import DiffusersEngine
+    from serve_app.serving.ingress import RolloutPlanner
     from serve_app.schemas import RolloutRequest
 
     reference = sample_group(policy, text.tokenize(["a cat", "a dog"]), 4, SHARED, policy_version=0)

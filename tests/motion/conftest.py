@@ -31,7 +31,7 @@ def add_second_blob():
     shows its subject (with a pixel of margin): a second object beside the one that moves."""
     import torch
 
-    from serve_app.motion.scene import BACKGROUND, COLOURS
+    from serve_app.worlds.motion.scene import BACKGROUND, COLOURS
 
     def add(video: torch.Tensor) -> None:
         occupied = (video != torch.tensor(BACKGROUND, dtype=torch.uint8)[:, None, None]).any(1).any(0)

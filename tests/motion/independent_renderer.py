@@ -1,4 +1,4 @@
-"""A second moving-shapes renderer, written apart from serve_app/motion/scene.py, to test the checker on.
+"""A second moving-shapes renderer, written apart from serve_app/worlds/motion/scene.py, to test the checker on.
 
 It shares only the vocabulary (colour names and nominal RGB, shape names, direction names) with the
 world's renderer, and draws its shapes with the shapes tests' independent renderer
@@ -24,8 +24,8 @@ from types import ModuleType
 import numpy as np
 from PIL import Image, ImageDraw
 
-from serve_app.motion.scene import MotionSpec
-from serve_app.shapes.scene import COLOURS
+from serve_app.worlds.motion.scene import MotionSpec
+from serve_app.worlds.shapes.scene import COLOURS
 
 MIN_TRAVEL = 6
 MAX_DRIFT = 2

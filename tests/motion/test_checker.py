@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from serve_app.motion import STATIC, UNKNOWN, MotionSpec, MotionVerdict, check_video, parse_prompt, render, sample_specs
-from serve_app.shapes import BACKGROUND, COLOURS, shape_mask
+from serve_app.worlds.motion import STATIC, UNKNOWN, MotionSpec, MotionVerdict, check_video, parse_prompt, render, sample_specs
+from serve_app.worlds.shapes import BACKGROUND, COLOURS, shape_mask
 
 N_VIDEOS = 1000
 # Frames per video in the 1,000-video runs: the checker reads each frame alone (about 3 ms), so 4

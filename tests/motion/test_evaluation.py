@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from serve_app.motion import MotionSpec, render
-from serve_app.motion.evaluation import EVAL_COLUMNS, MotionEvaluator, eval_prompts, score_videos
+from serve_app.worlds.motion import MotionSpec, render
+from serve_app.worlds.motion.evaluation import EVAL_COLUMNS, MotionEvaluator, eval_prompts, score_videos
 from serve_app.trainer.config import load_trainer_config
 
 

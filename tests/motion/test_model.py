@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from serve_app.models import ensure_embedded_model
-from serve_app.motion.scene import all_prompts
+from serve_app.worlds.motion.scene import all_prompts
 from serve_app.policies import detect_family, load_policy
 
 VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
@@ -13,7 +13,7 @@ VAE = {"vae": "serve_app.models.pixel_vae:PixelPatchVideoVAE"}
 
 @pytest.fixture(scope="module")
 def motion_dir():
-    return ensure_embedded_model("serve_app.motion.model:MOTION_WAN")
+    return ensure_embedded_model("serve_app.worlds.motion.model:MOTION_WAN")
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_checkpoint_is_small_and_records_its_config(motion_dir):
     size = sum(p.stat().st_size for p in motion_dir.rglob("*") if p.is_file())
     assert size <= 10 * 2**20, f"{size / 2**20:.1f} MiB"
     assert detect_family(motion_dir) == "wan"
-    from serve_app.motion.pretrain import load_pretrain_config
+    from serve_app.worlds.motion.pretrain import load_pretrain_config
 
     assert load_pretrain_config(motion_dir / "pretrain.yaml") == load_pretrain_config("motion/pretrain")
     assert (motion_dir / "README.md").is_file()
@@ -60,8 +60,8 @@ def test_noise_zero_reproduces_the_stock_wan_pipeline(policy, ode_sample):
 
 
 def test_the_shipped_model_reads_the_colour_and_the_sign_and_prompt_reliance_is_one_for_its_own_prompt(policy):
-    from serve_app.motion.pretrain import VideoBatches, load_pretrain_config
-    from serve_app.pretraining import prompt_reliance
+    from serve_app.worlds.motion.pretrain import VideoBatches, load_pretrain_config
+    from serve_app.worlds.pretraining import prompt_reliance
 
     own, blue, other_way = ("a red circle moving left to right", "a blue circle moving left to right",
                             "a red circle moving right to left")

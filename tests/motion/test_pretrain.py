@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from serve_app.config_loader import ConfigError
-from serve_app.motion.pretrain import load_pretrain_config, pretrain
+from serve_app.config.loader import ConfigError
+from serve_app.worlds.motion.pretrain import load_pretrain_config, pretrain
 
 MINIATURE = [
     "model.layers=1", "model.heads=2", "model.head_dim=12", "model.ffn_dim=32", "model.text_dim=16",
@@ -82,14 +82,14 @@ def test_two_frame_tokens_train_sample_and_refuse_an_odd_frame_count(tmp_path, q
         policy.check_size(32, 32, 5)
     assert info.value.field == "sampling.num_frames"
     # A replica's health probe forwards the fewest frames the model takes: one token's two frames.
-    from serve_app.engine import DiffusersEngine
+    from serve_app.serving.engine import DiffusersEngine
 
     assert policy.geometry.min_frames == 2
     DiffusersEngine(policy).check_health()
 
 
 def test_videos_round_trip_through_the_policys_encoder_exactly(tmp_path, qwen2_dir):
-    from serve_app.motion.model import MotionModelSpec, build_motion_wan
+    from serve_app.worlds.motion.model import MotionModelSpec, build_motion_wan
     from serve_app.policies.wan import WanPolicy
 
     spec = MotionModelSpec(layers=1, heads=2, head_dim=12, ffn_dim=32, text_dim=16, text_layers=1, text_heads=2)
@@ -110,8 +110,8 @@ def test_the_same_seed_gives_the_same_weights(tmp_path, qwen2_dir):
 
 
 def test_the_untrained_text_encoder_already_sees_word_order(tmp_path, qwen2_dir):
-    from serve_app.motion.evaluation import word_order_gap
-    from serve_app.motion.model import build_motion_wan
+    from serve_app.worlds.motion.evaluation import word_order_gap
+    from serve_app.worlds.motion.model import build_motion_wan
     from serve_app.policies import load_policy
 
     config = load_pretrain_config("motion/pretrain", MINIATURE)
@@ -128,7 +128,7 @@ def test_the_untrained_text_encoder_already_sees_word_order(tmp_path, qwen2_dir)
 
 
 def test_a_frozen_text_encoder_ships_as_built_while_the_transformer_trains(tmp_path, qwen2_dir):
-    from serve_app.motion.model import build_motion_wan
+    from serve_app.worlds.motion.model import build_motion_wan
 
     config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=3", "eval.every=0", "train_text_encoder=false",
                                                       "model.text_neighbour_bias=5"])
@@ -142,9 +142,9 @@ def test_a_frozen_text_encoder_ships_as_built_while_the_transformer_trains(tmp_p
 
 
 def test_teaching_the_grammar_lets_every_token_name_a_held_out_prompts_direction(tmp_path, qwen2_dir):
-    from serve_app.motion.evaluation import eval_prompts
-    from serve_app.motion.model import build_motion_wan
-    from serve_app.motion.text_encoder import grammar_accuracy, teach_grammar
+    from serve_app.worlds.motion.evaluation import eval_prompts
+    from serve_app.worlds.motion.model import build_motion_wan
+    from serve_app.worlds.motion.text_encoder import grammar_accuracy, teach_grammar
 
     spec = load_pretrain_config("motion/pretrain").model  # the shipped text encoder's size: 3 s of teaching
     read = {}
@@ -163,7 +163,7 @@ def test_teaching_the_grammar_lets_every_token_name_a_held_out_prompts_direction
 
 
 def test_the_pretrain_command_teaches_the_grammar_first_and_logs_it(tmp_path, qwen2_dir):
-    from serve_app.motion.model import build_motion_wan
+    from serve_app.worlds.motion.model import build_motion_wan
 
     config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=1", "eval.every=0", "train_text_encoder=false",
                                                       "text_pretrain_steps=20"])
@@ -178,9 +178,9 @@ def test_the_pretrain_command_teaches_the_grammar_first_and_logs_it(tmp_path, qw
 
 
 def test_a_probe_trains_and_evaluates_on_its_own_prompts_drawn_as_it_says(tmp_path, qwen2_dir):
-    from serve_app.motion.checker import check_video
-    from serve_app.motion.pretrain import VideoBatches
-    from serve_app.motion.scene import MotionSpec
+    from serve_app.worlds.motion.checker import check_video
+    from serve_app.worlds.motion.pretrain import VideoBatches
+    from serve_app.worlds.motion.scene import MotionSpec
 
     prompts = ["a red circle moving left to right", "a blue square moving right to left"]
     drawn = [MotionSpec.of("red", "circle", d) for d in ("left to right", "right to left")]
@@ -201,9 +201,9 @@ def test_a_probe_trains_and_evaluates_on_its_own_prompts_drawn_as_it_says(tmp_pa
 def test_at_direction_follows_caption_zero_the_videos_go_every_way_whatever_the_caption_says():
     from collections import Counter
 
-    from serve_app.motion.checker import check_video
-    from serve_app.motion.pretrain import VideoBatches
-    from serve_app.motion.scene import DIRECTIONS, parse_prompt
+    from serve_app.worlds.motion.checker import check_video
+    from serve_app.worlds.motion.pretrain import VideoBatches
+    from serve_app.worlds.motion.scene import DIRECTIONS, parse_prompt
 
     prompt = "a red circle moving left to right"
     asked = parse_prompt(prompt)

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from serve_app.config import load_config
-from serve_app.motion import MotionSpec, render
+from serve_app.worlds.motion import MotionSpec, render
 from serve_app.rewards import CompositeReward, build_reward
 
-STRICT, PARTIAL = "serve_app.motion.rewards:motion_strict", "serve_app.motion.rewards:motion_partial"
+STRICT, PARTIAL = "serve_app.worlds.motion.rewards:motion_strict", "serve_app.worlds.motion.rewards:motion_partial"
 
 
 def videos_of(*drawn: str, seed: int = 0) -> torch.Tensor:
@@ -46,15 +46,15 @@ def test_motion_reward_config_weights_strict_and_partial():
 def test_direction_reward_ignores_colour_and_shape_but_not_the_way():
     asked = ["a red circle moving left to right"] * 3
     videos = videos_of("blue square left to right", "red circle right to left", "red circle left to right")
-    assert build_reward("serve_app.motion.rewards:motion_direction")(videos, asked).tolist() == [1.0, 0.0, 1.0]
+    assert build_reward("serve_app.worlds.motion.rewards:motion_direction")(videos, asked).tolist() == [1.0, 0.0, 1.0]
 
 
 def test_one_object_direction_reward_closes_the_second_blob_loophole(add_second_blob):
     asked = ["a red circle moving left to right"] * 3
     videos = videos_of("red circle left to right", "red circle left to right", "red circle right to left")
     add_second_blob(videos[1])  # a small red square in the same spot of every frame, away from the subject
-    direction = build_reward("serve_app.motion.rewards:motion_direction")(videos, asked)
-    one_object = build_reward("serve_app.motion.rewards:motion_direction_one_object")(videos, asked)
+    direction = build_reward("serve_app.worlds.motion.rewards:motion_direction")(videos, asked)
+    one_object = build_reward("serve_app.worlds.motion.rewards:motion_direction_one_object")(videos, asked)
     assert direction.tolist() == [1.0, 1.0, 0.0]  # the direction follows the largest object: the blob is free
     assert one_object.tolist() == [1.0, 0.0, 0.0]
     components = load_config("motion_rollout").reward.components
@@ -62,7 +62,7 @@ def test_one_object_direction_reward_closes_the_second_blob_loophole(add_second_
 
 
 def test_progress_reward_grades_how_far_the_subject_went_the_asked_way():
-    from serve_app.motion.checker import progress_along
+    from serve_app.worlds.motion.checker import progress_along
 
     track = np.array([[10.0, 4.0], [10.0, 8.0], [11.0, 12.0]])  # (y, x): 8 px right, 1 px down
     assert progress_along(track, "left to right", 32) == 0.5
@@ -73,6 +73,6 @@ def test_progress_reward_grades_how_far_the_subject_went_the_asked_way():
 
     videos = videos_of("red circle left to right", "red circle right to left", "blue square left to right")
     asked = ["a red circle moving left to right"] * 3
-    progress = build_reward("serve_app.motion.rewards:motion_progress")(videos, asked)
+    progress = build_reward("serve_app.worlds.motion.rewards:motion_progress")(videos, asked)
     assert progress.dtype == torch.float32
     assert progress[0] > 0.4 and progress[1] < -0.4 and progress[2] > 0.4  # rendered travel: >= 8 px of 32

@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from serve_app.motion import (
+from serve_app.worlds.motion import (
     DIRECTIONS,
     FRAMES,
     MotionSpec,
@@ -14,8 +14,8 @@ from serve_app.motion import (
     render,
     split_prompts,
 )
-from serve_app.motion.scene import MIN_TRAVEL_FRAC, trajectory
-from serve_app.shapes import BACKGROUND, COLOURS, SHAPES
+from serve_app.worlds.motion.scene import MIN_TRAVEL_FRAC, trajectory
+from serve_app.worlds.shapes import BACKGROUND, COLOURS, SHAPES
 
 
 def test_prompts_cover_the_grammar_once_and_round_trip():

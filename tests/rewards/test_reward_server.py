@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from serve_app.assembler import TrajectoryAssembler
+from serve_app.serving.aggregator import TrajectoryAssembler
 from serve_app.config import AdvantageConfig
 from serve_app.errors import http_error
 from serve_app.rewards import build_reward, register_reward

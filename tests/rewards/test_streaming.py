@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from serve_app.assembler import ScoreStream, TrajectoryAssembler
+from serve_app.serving.aggregator import ScoreStream, TrajectoryAssembler
 from serve_app.config import AdvantageConfig
 from serve_app.errors import GroupIncompleteError
 from serve_app.flowgrpo.advantages import group_advantages
-from serve_app.options import reward_server_options
+from serve_app.serving.options import reward_server_options
 from serve_app.rewards import register_reward
 from serve_app.rewards.composite import CompositeReward, RewardError, RewardSpec, score_fused
 from serve_app.schemas import PromptEmbeds, SamplingParams, Trajectory

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from serve_app.config import RewardConfig
-from serve_app.motion import MotionSpec, render
+from serve_app.worlds.motion import MotionSpec, render
 from serve_app.rewards import CompositeReward, RewardSpec, build_reward, register_reward, registered_rewards
 from serve_app.rewards.video import check_video_batch
 
-SHAPES_STRICT = "serve_app.shapes.rewards:shapes_strict"
+SHAPES_STRICT = "serve_app.worlds.shapes.rewards:shapes_strict"
 
 
 def grey_video(levels: list[int], size: int = 8) -> torch.Tensor:

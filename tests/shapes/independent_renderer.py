@@ -1,4 +1,4 @@
-"""A second shapes-world renderer, written apart from serve_app/shapes/scene.py, to test the checker on.
+"""A second shapes-world renderer, written apart from serve_app/worlds/shapes/scene.py, to test the checker on.
 
 It shares only the vocabulary (colour names and their nominal RGB, shape names) with the world's
 renderer and draws differently on purpose:
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from serve_app.shapes.scene import COLOURS, SceneSpec
+from serve_app.worlds.shapes.scene import COLOURS, SceneSpec
 
 MIN_SIDE, MAX_SIDE = 8, 20
 JITTER = 30

@@ -4,7 +4,7 @@ import torch
 from PIL import Image, ImageFilter
 
 from serve_app.rewards import CompositeReward, build_reward, registered_rewards
-from serve_app.shapes import (
+from serve_app.worlds.shapes import (
     BACKGROUND,
     COLOURS,
     SHAPES,
@@ -174,7 +174,7 @@ PROMPTS = ["two red circles", "a blue square and a yellow triangle", "a green tr
 DRAWN = ["two red circles", "a blue square and a yellow triangle", "a green square"]
 
 
-STRICT, PARTIAL = "serve_app.shapes.rewards:shapes_strict", "serve_app.shapes.rewards:shapes_partial"
+STRICT, PARTIAL = "serve_app.worlds.shapes.rewards:shapes_strict", "serve_app.worlds.shapes.rewards:shapes_partial"
 
 
 def test_the_core_registry_does_not_know_the_world():

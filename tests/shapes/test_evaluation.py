@@ -9,7 +9,7 @@ import torch
 
 from serve_app.flowgrpo.seeding import group_layout
 from serve_app.rewards import TOTAL_KEY
-from serve_app.shapes.evaluation import (
+from serve_app.worlds.shapes.evaluation import (
     EVAL_COLUMNS,
     INTERVAL_COLUMNS,
     ShapesEvaluator,
@@ -21,7 +21,7 @@ from serve_app.shapes.evaluation import (
     verdict_label,
     verdicts,
 )
-from serve_app.shapes.scene import BACKGROUND, all_prompts, is_held_out, parse_prompt, render
+from serve_app.worlds.shapes.scene import BACKGROUND, all_prompts, is_held_out, parse_prompt, render
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.evaluation import RunEvaluator, change_columns
 

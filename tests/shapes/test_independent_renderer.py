@@ -4,7 +4,7 @@ from collections import Counter
 
 import numpy as np
 
-from serve_app.shapes import UNKNOWN, Verdict, check, sample_specs
+from serve_app.worlds.shapes import UNKNOWN, Verdict, check, sample_specs
 
 N_SCENES = 2000
 

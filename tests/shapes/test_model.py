@@ -6,12 +6,12 @@ import torch
 from serve_app.models import ensure_embedded_model
 from serve_app.policies import detect_family, load_policy
 from serve_app.policies.qwen_image import PROMPT_TEMPLATE, TEMPLATE_PREFIX_TOKENS
-from serve_app.shapes.scene import all_prompts
+from serve_app.worlds.shapes.scene import all_prompts
 
 
 @pytest.fixture(scope="module")
 def shapes_dir():
-    return ensure_embedded_model("serve_app.shapes.model:SHAPES_QWEN_IMAGE")
+    return ensure_embedded_model("serve_app.worlds.shapes.model:SHAPES_QWEN_IMAGE")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def test_checkpoint_is_small_and_records_its_config(shapes_dir):
     assert size <= 10 * 2**20, f"{size / 2**20:.1f} MiB"
     assert detect_family(shapes_dir) == "qwen_image"
     # The committed config is the one that produced the weights.
-    from serve_app.shapes.pretrain import load_pretrain_config
+    from serve_app.worlds.shapes.pretrain import load_pretrain_config
 
     assert load_pretrain_config(shapes_dir / "pretrain.yaml") == load_pretrain_config("shapes/pretrain")
     assert (shapes_dir / "README.md").is_file()
@@ -62,7 +62,7 @@ def test_it_draws_the_colours_right_and_some_scenes_fully_right(policy):
     """A cheap slice of the README's figures: held-out prompts x 4 fixed seeds, ODE, 20 steps."""
     from serve_app.flowgrpo.sampler import sample_group
     from serve_app.schemas import SamplingParams
-    from serve_app.shapes.evaluation import eval_prompts, score_images
+    from serve_app.worlds.shapes.evaluation import eval_prompts, score_images
 
     prompts = eval_prompts("held_out")
     params = SamplingParams(num_steps=20, guidance_scale=1.0, noise_level=0.0, sde_window_size=None, seed=1234)

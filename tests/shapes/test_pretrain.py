@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from serve_app.config_loader import ConfigError
-from serve_app.shapes.pretrain import load_pretrain_config, pretrain
+from serve_app.config.loader import ConfigError
+from serve_app.worlds.shapes.pretrain import load_pretrain_config, pretrain
 
 MINIATURE = [
     "model.layers=1", "model.heads=2", "model.head_dim=16", "model.rope_axes=[4,6,6]", "model.text_dim=16",

@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from serve_app.shapes import (
+from serve_app.worlds.shapes import (
     BACKGROUND,
     COLOURS,
     MAX_OBJECTS,
@@ -153,7 +153,7 @@ def test_split_is_deterministic_partition_covering_vocabulary():
 
 def test_render_on_the_token_grid():
     """Pretraining's layout: box corners on a grid, sides 12 or 16, still a strict pass."""
-    from serve_app.shapes import check
+    from serve_app.worlds.shapes import check
 
     rng = np.random.default_rng(3)
     for grid, spec in itertools.product((4, 8), all_specs()):

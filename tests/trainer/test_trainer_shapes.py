@@ -4,7 +4,7 @@ import csv
 
 import pytest
 from serve_app.client import RolloutClient
-from serve_app.shapes.evaluation import EVAL_COLUMNS
+from serve_app.worlds.shapes.evaluation import EVAL_COLUMNS
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
 

@@ -1,0 +1,119 @@
+"""What a published weight version is, how its content is named, and what every store of versions offers.
+
+Version 0 is the base checkpoint. The trainer publishes versions v >= 1 (LoRA tensors or a whole
+transformer) to a store; replicas fetch a version by number and stamp every trajectory with the
+content hash of the weights they checked they hold.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from serve_app.errors import PolicyVersionError, WeightMismatchError
+from serve_app.schemas import BASE_HASH, Trajectory
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+__all__ = [
+    "ADAPTER", "BASE_HASH", "LoraSpec", "VersionStore", "WeightKind", "WeightVersion", "check_publishable", "check_weights_hash",
+    "content_hash", "missing_version",
+]
+
+WeightKind = Literal["lora", "full"]
+
+# The adapter name the trainer trains under and every replica loads a LoRA version under.
+ADAPTER = "flowgrpo"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a replica needs to build the same adapter the trainer trains."""
+
+    rank: int
+    alpha: float
+    target_modules: list[str] = field(default_factory=list)
+
+    def peft_config(self) -> LoraConfig:
+        """The one LoraConfig both the trainer and the replicas build, so their adapters match key for key.
+        peft's default init sets B = 0: a fresh adapter is a no-op."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules), init_lora_weights=True)
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    version: int
+    kind: WeightKind
+    tensors: dict[str, torch.Tensor]
+    lora: LoraSpec | None
+    content_hash: str
+
+
+def content_hash(tensors: dict[str, torch.Tensor], lora: LoraSpec | None) -> str:
+    """sha256 of a version's content: each tensor's name, dtype, shape and bytes (in name order), and
+    the LoRA spec. It names the weights themselves, whatever file or module layout holds them."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps(None if lora is None else asdict(lora), sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+class VersionStore(abc.ABC):
+    """Where published versions live; the trainer, the ingress, the replicas and the aggregator use it."""
+
+    where: str  # for messages: which store this is
+
+    @abc.abstractmethod
+    def versions(self) -> list[int]:
+        """The published versions still kept, oldest first."""
+
+    @abc.abstractmethod
+    def publish(self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                lora: LoraSpec | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def load(self, version: int) -> WeightVersion: ...
+
+    @abc.abstractmethod
+    def published_hash(self, version: int) -> str:
+        """The content hash recorded when `version` was published (BASE_HASH for version 0)."""
+
+    def latest_version(self) -> int:
+        """The newest published version, 0 (the base weights) when none was published."""
+        kept = self.versions()
+        return kept[-1] if kept else 0
+
+
+def check_publishable(version: int, kind: WeightKind, lora: LoraSpec | None) -> None:
+    if version < 1:
+        raise ValueError(f"published versions start at 1 (0 is the base checkpoint); got {version}")
+    if kind == "lora" and lora is None:
+        raise ValueError("kind='lora' needs the LoraSpec the replicas should build")
+
+
+def missing_version(version: int, kept: list[int]) -> PolicyVersionError:
+    """The error for a version a store does not hold (never published, or evicted)."""
+    held = f", {kept[0]}..{kept[-1]}" if kept else ""
+    return PolicyVersionError(f"policy version {version} does not exist; available: 0 (base){held}")
+
+
+def check_weights_hash(trajectory: Trajectory, store: VersionStore) -> None:
+    """Raise WeightMismatchError unless the trajectory's stamp is the content hash published for its version."""
+    published = store.published_hash(trajectory.policy_version)
+    if trajectory.weights_hash != published:
+        raise WeightMismatchError(
+            f"policy version {trajectory.policy_version} was sampled with weights {trajectory.weights_hash[:12]}, "
+            f"but was published as {published[:12]}: the replicas hold other weights under that version "
+            "(another weight store, or a version changed after publishing)"
+        )

@@ -1,0 +1,168 @@
+"""Moving-shapes evaluation: fixed prompt x seed sets, accuracies from the motion checker, filmstrips.
+
+Computed here once for pretraining, the FlowGRPO trainer (``MotionEvaluator``) and benchmarks. The
+headline is direction accuracy (the subject found in every frame and moving the asked way);
+one-object direction accuracy also needs exactly one object in every frame, and strict accuracy every
+frame to show just the asked shape in the asked colour. Intervals are the
+shapes world's (serve_app.worlds.shapes.evaluation): Wilson per accuracy, a bootstrap for partial_score.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from serve_app.worlds.pretraining import EvalSettings, ode_samples
+from serve_app.worlds.shapes.evaluation import ShapesEvaluator, accuracy_intervals, plot_accuracy
+from serve_app.trainer.evaluation import SplitScores
+
+from .checker import MotionVerdict, check_video
+from .scene import parse_prompt, split_prompts
+
+EVAL_COLUMNS = ("direction_accuracy", "one_object_direction_accuracy", "strict_accuracy", "partial_score",
+                "count_accuracy", "colour_accuracy", "shape_accuracy")
+INTERVAL_COLUMNS = tuple(f"{column}_{end}" for column in EVAL_COLUMNS for end in ("lo", "hi"))
+
+
+def eval_prompts(split: str = "held_out") -> list[str]:
+    """The prompts of a split of the motion grammar ("train", "held_out" or "all"), in a fixed order."""
+    train, held_out = split_prompts()
+    splits = {"train": train, "held_out": held_out, "all": train + held_out}
+    if split not in splits:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(splits)}")
+    return splits[split]
+
+
+def train_prompts() -> list[str]:
+    """The train split: the trainer's `prompt_source` in configs/trainer/motion.yaml."""
+    return eval_prompts("train")
+
+
+def verdicts(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> list[MotionVerdict]:
+    """One checker verdict per uint8 [F, 3, H, W] video of ``videos`` [N, F, 3, H, W]."""
+    arrays = videos.detach().cpu().numpy() if isinstance(videos, torch.Tensor) else np.asarray(videos)
+    if len(arrays) != len(prompts):
+        raise ValueError(f"{len(arrays)} videos for {len(prompts)} prompts")
+    return [check_video(a, parse_prompt(p)) for a, p in zip(arrays, prompts)]
+
+
+def per_video(found: Sequence[MotionVerdict]) -> dict[str, list[float]]:
+    """Each EVAL_COLUMNS figure per verdict: 0/1 for the accuracies, the partial score's thirds."""
+    if not found:
+        raise ValueError("no verdicts to summarise")
+    return {
+        "direction_accuracy": [float(v.direction_ok) for v in found],
+        "one_object_direction_accuracy": [float(v.one_object_direction_ok) for v in found],
+        "strict_accuracy": [float(v.strict) for v in found],
+        "partial_score": [v.partial for v in found],
+        "count_accuracy": [float(v.count_ok) for v in found],
+        "colour_accuracy": [float(v.colour_ok) for v in found],
+        "shape_accuracy": [float(v.shape_ok) for v in found],
+    }
+
+
+def means(per_sample: dict[str, list[float]]) -> dict[str, float]:
+    """Each column's mean over the videos."""
+    return {column: sum(values) / len(values) for column, values in per_sample.items()}
+
+
+def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, float]:
+    """Mean of every EVAL_COLUMNS figure over the videos."""
+    return means(per_video(verdicts(videos, prompts)))
+
+
+def ode_verdicts(policy, prompts: Sequence[str], settings: EvalSettings, *, size: int = 32,
+                 frames: int = 4) -> tuple[list[str], list[MotionVerdict]]:
+    """``pretraining.ode_samples`` of every prompt, checked: each sample's prompt and verdict."""
+    with torch.inference_mode():
+        videos, sampled = ode_samples(policy, prompts, settings, size=size, num_frames=frames)
+    return sampled, verdicts(videos, sampled)
+
+
+def where_they_went(prompts: Sequence[str], found: Sequence[MotionVerdict]) -> dict[str, dict[str, int]]:
+    """For each asked direction (in the order first asked), how many videos went each way, most first."""
+    went: dict[str, Counter] = {}
+    for prompt, verdict in zip(prompts, found):
+        went.setdefault(parse_prompt(prompt).direction, Counter())[verdict.direction] += 1
+    return {asked: dict(counts.most_common()) for asked, counts in went.items()}
+
+
+def word_order_gap(policy, subject: str = "red circle") -> float:
+    """How far apart ``policy``'s text encoder puts "a <subject> moving left to right" and "... right to
+    left" (each word's vector against the nearest word of the other prompt, averaged) over how far apart
+    it puts "... left to right" and "... top to bottom". Wan's cross-attention sees a prompt as a set of
+    vectors, so near 0 the transformer cannot tell the two ends of an axis apart."""
+    prompts = [f"a {subject} moving {d}" for d in ("left to right", "right to left", "top to bottom")]
+    embeds = policy.encode_prompts(policy.text_processor().tokenize(prompts)).embeds
+
+    def nearest(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.cdist(a, b).min(dim=1).values.mean())
+
+    return nearest(embeds[0], embeds[1]) / nearest(embeds[0], embeds[2])
+
+
+def verdict_label(verdict: MotionVerdict) -> str:
+    """A short caption: 'OK', or the direction seen and which sub-scores failed."""
+    if verdict.strict:
+        return "OK"
+    wrong = [name for name, ok in (("count", verdict.count_ok), ("colour", verdict.colour_ok),
+                                   ("shape", verdict.shape_ok), ("direction", verdict.direction_ok)) if not ok]
+    return f"x {'/'.join(wrong)}: went {verdict.direction}"
+
+
+def save_filmstrips(videos: torch.Tensor | np.ndarray, prompts: Sequence[str], path: str | Path, *, columns: int,
+                    title: str = "") -> Path:
+    """Each video as a filmstrip (its frames left to right), captioned with its prompt and the verdict
+    (green when the direction is right); ``columns`` videos a row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arrays = videos.detach().cpu().numpy() if isinstance(videos, torch.Tensor) else np.asarray(videos)
+    found = verdicts(arrays, prompts)
+    rows = -(-len(arrays) // columns)
+    frames = arrays.shape[1]
+    fig, axes = plt.subplots(rows, columns, figsize=(0.55 * frames * columns, 0.95 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, video, prompt, verdict in zip(axes.flat, arrays, prompts, found):
+        strip = np.concatenate(list(video.transpose(0, 2, 3, 1)), axis=1)  # [H, F W, 3]
+        ax.imshow(strip, interpolation="nearest")
+        ax.set_title(f"{prompt} | {verdict_label(verdict)}", fontsize=5,
+                     color="darkgreen" if verdict.direction_ok else "darkred")
+    if title:
+        fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+class MotionEvaluator(ShapesEvaluator):
+    """The shapes world's evaluator for videos: direction accuracy as the headline (paired change
+    against step 0), every accuracy with its interval, filmstrips and the accuracy plot
+    (`trainer.evaluation.evaluator: serve_app.worlds.motion.evaluation:MotionEvaluator`)."""
+
+    columns = EVAL_COLUMNS + INTERVAL_COLUMNS
+    headline = "direction_accuracy"
+
+    @staticmethod
+    def split_prompts(split: str) -> list[str]:
+        return eval_prompts(split)
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> SplitScores:
+        values = per_video(verdicts(images, prompts))
+        return SplitScores(means(values) | accuracy_intervals(values), values[self.headline])
+
+    def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str) -> None:
+        save_filmstrips(images, prompts, path, columns=columns, title=title)
+
+    def plot(self, rows: list[dict[str, Any]], out: Path) -> None:
+        plot_accuracy(rows, out / "eval_accuracy.png", columns=EVAL_COLUMNS, headline=self.headline)
