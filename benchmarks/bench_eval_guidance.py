@@ -37,7 +37,7 @@ def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str]
     from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+    from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
     run_dir = work / f"guidance-{guidance:g}"
     app_overrides = [f"replica.weights_dir={run_dir / 'weights'}"]

@@ -66,7 +66,7 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
     from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+    from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
     run_dir = work / f"{name}-seed{seed}"
     app_overrides = [f"replica.weights_dir={run_dir / 'weights'}", *[o for o in overrides if o.startswith("sampling.")]]
@@ -80,9 +80,9 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
                               policy=load_trainer_policy(config), progress=False)
     trainer.evaluate()
     next_eval_s = eval_every_minutes * 60
-    while trainer.step < max_steps and sum(trainer.step_seconds) < minutes * 60:
+    while trainer.step < max_steps and trainer.train_seconds < minutes * 60:
         trainer.train_step()
-        if sum(trainer.step_seconds) >= next_eval_s:
+        if trainer.train_seconds >= next_eval_s:
             trainer.evaluate()
             next_eval_s += eval_every_minutes * 60
     if trainer.evaluator.first_split_rows[-1]["step"] != trainer.step:

@@ -49,7 +49,7 @@ def app_overrides(weights: Path) -> list[str]:
 def trainer_for(overrides: list[str], out: Path, extra: list[str]):
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer
+    from serve_app.trainer.loop import FlowGRPOTrainer
 
     config = load_trainer_config("trainer/shapes", [
         *overrides, "trainer.eval_every=0", "trainer.image_every=0", "trainer.checkpoint_every=0", *extra,

@@ -78,7 +78,7 @@ def test_the_app_and_trainer_share_versions_without_a_shared_folder(ray_cluster,
     from serve_app.app import AppArgs, build_app
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer
+    from serve_app.trainer.loop import FlowGRPOTrainer
 
     overrides = ["app_name=flowgrpo-objects", "weights.transport=object_store", "weights.keep_versions=2",
                  "sampling.num_steps=4", "sampling.guidance_scale=1.0", "sampling.sde_window_size=null"]

@@ -44,22 +44,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import ray
-    from ray import serve
 
-    from serve_app.client import RolloutClient
-    from serve_app.trainer.trainer import FlowGRPOTrainer
+    from serve_app.trainer.connect import PlacementError, connect_to_app
+    from serve_app.trainer.loop import FlowGRPOTrainer
 
     ray.init(address=args.address, log_to_driver=False)
     if config.trainer.distributed.workers > 1:
         from serve_app.trainer.distributed import run_data_parallel
 
-        report = run_data_parallel(config, args.out, resume=args.resume)
+        try:
+            report = run_data_parallel(config, args.out, resume=args.resume)
+        except PlacementError as exc:
+            print(f"cannot start the training workers: {exc}", file=sys.stderr)
+            return 2
         print(report.get("summary", report))
         return 0
-    client = RolloutClient(config.app_name)
-    _ = client.handle  # fails now, with the deploy hint, when the app is not running
-    replica = serve.get_deployment_handle("DiffusionReplica", config.app_name) if config.trainer.prefetch else None
-    trainer = FlowGRPOTrainer(config, client, args.out, resume=args.resume, replica_handle=replica)
+    app = connect_to_app(config)
+    trainer = FlowGRPOTrainer(config, app.client, args.out, resume=args.resume, replica_handle=app.replica)
     trainer.train()
     print(trainer.summary())
     return 0

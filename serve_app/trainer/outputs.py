@@ -1,12 +1,22 @@
-"""What a run leaves in `outputs/<run>/`: metrics.csv, reward_curve.png and image grids (eval.csv: evaluation.py)."""
+"""What a run leaves in `outputs/<run>/`: metrics.csv (one row a step), reward_curve.png, image grids and
+the summary it prints (eval.csv: evaluation.py; checkpoints: checkpoint.py)."""
 
 from __future__ import annotations
 
 import csv
 import math
+import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from serve_app.rewards import TOTAL_KEY
+from serve_app.trainer.statistics import first_and_last, welch_t
+
+if TYPE_CHECKING:
+    from serve_app.schemas import TrajectoryBatch
+    from serve_app.trainer.update import UpdateStats
 
 METRIC_COLUMNS = [
     "step", "policy_version", "reward_mean", "reward_std", "advantage_mean", "advantage_std",
@@ -44,7 +54,7 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop rows logged after the checkpoint, and rewrite the file."""
-        self.rows = [r for r in self.rows if r["step"] <= step]
+        self.rows[:] = [r for r in self.rows if r["step"] <= step]  # in place: others hold the list
         if self.columns is not None:
             with self.path.open("w", newline="") as f:
                 writer = csv.DictWriter(f, self.columns, extrasaction="ignore")
@@ -97,3 +107,60 @@ def save_image_grid(images: torch.Tensor, path: Path, *, columns: int) -> None:
         r, c = divmod(i, columns)
         grid[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = images[i]
     Image.fromarray(grid.permute(1, 2, 0).contiguous().numpy()).save(path)
+
+
+def metrics_row(step: int, batch: TrajectoryBatch, stats: UpdateStats, *, inner_epochs: int, sample_s: float,
+                train_s: float, weight_sync_s: float, step_s: float) -> dict[str, float]:
+    """One step's metrics.csv row: the rollout's rewards and advantages, the update's ratios and losses,
+    and where the time went."""
+    ratios = torch.cat(stats.ratios)
+    total = batch.rewards[TOTAL_KEY]
+    advantages = batch.advantages.float()
+    n = len(batch)
+    row = {
+        "step": step,
+        "policy_version": batch.policy_version,
+        "reward_mean": float(total.mean()),
+        "reward_std": float(total.std(unbiased=False)),
+        "advantage_mean": float(advantages.mean()),
+        "advantage_std": float(advantages.std(unbiased=False)),
+        "ratio_mean": float(ratios.mean()),
+        "ratio_min": float(ratios.min()),
+        "ratio_max": float(ratios.max()),
+        "onpolicy_ratio_dev": stats.onpolicy_ratio_dev,
+        "clip_frac": statistics.mean(stats.clip_fracs),
+        "approx_kl": statistics.mean(stats.approx_kls),
+        "kl": statistics.mean(stats.kls),
+        "loss": statistics.mean(stats.losses),
+        "grad_norm": statistics.mean(stats.grad_norms),
+        "tied_group_fraction": float(batch.metrics.get("tied_group_fraction", math.nan)),
+        "sample_images_per_s": n / sample_s,
+        "train_images_per_s": n * inner_epochs / train_s,
+        "weight_sync_s": weight_sync_s,
+        "step_seconds": step_s,
+        "eval_reward_mean": math.nan,
+    }
+    for key, value in batch.rewards.items():
+        if key != TOTAL_KEY:
+            row[f"reward_{key}_mean"] = float(value.mean())
+    return row
+
+
+def run_summary(rows: list[dict[str, float]], *, evaluation: str, final_version: int, out: Path) -> str:
+    """What the run printed at its end: the evaluation's summary, the reward's change, seconds a step."""
+    if not rows:
+        return "no steps"
+    per_step = statistics.mean(r["step_seconds"] for r in rows)
+    rewards = [r["reward_mean"] for r in rows]
+    if len(rewards) >= 4:
+        first, last = first_and_last(rewards)
+        change = (f"reward mean of the first {len(first)} steps {statistics.mean(first):.5f}, of the last "
+                  f"{len(last)} {statistics.mean(last):.5f} (Welch t {welch_t(first, last):+.1f} against the "
+                  "step-to-step noise)")
+    else:
+        change = f"reward mean {statistics.mean(rewards):.5f}"
+    return (
+        (f"{evaluation}\n" if evaluation else "")
+        + f"steps {len(rows)} | {change} | {per_step:.1f} s/step | final policy version {final_version} | "
+        f"outputs in {out}"
+    )

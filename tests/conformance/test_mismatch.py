@@ -140,7 +140,7 @@ def test_the_trainer_logs_the_mismatch_and_trains_through_it_with_tis(policy, fa
     """One training step against the fake engine: the monitor's columns reach metrics.csv; with TIS the
     on-policy check holds (ratio against the trainer's own pre-update log-probs)."""
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer, OnPolicyMismatchError, load_trainer_policy
+    from serve_app.trainer.loop import FlowGRPOTrainer, OnPolicyMismatchError, load_trainer_policy
 
     def trainer_with(name, *overrides):
         config = load_trainer_config("trainer/flowgrpo", [

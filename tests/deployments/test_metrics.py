@@ -82,7 +82,7 @@ def _drive_every_series(overrides: list[str], out: Path) -> None:
     from serve_app.client import RolloutClient
     from serve_app.errors import WeightMismatchError
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer
+    from serve_app.trainer.loop import FlowGRPOTrainer
     from serve_app.weights import LoraSpec, open_weight_store
 
     config = load_trainer_config("trainer/flowgrpo", [

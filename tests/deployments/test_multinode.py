@@ -196,7 +196,7 @@ def _wait_for_replicas_on(node_ids: set[str], timeout_s: float = 90) -> dict[str
 
 def _trainer(tmp_path, client):
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.trainer import FlowGRPOTrainer
+    from serve_app.trainer.loop import FlowGRPOTrainer
 
     config = load_trainer_config("trainer/flowgrpo", [*OVERRIDES, *TRAINER])
     return FlowGRPOTrainer(config, client, tmp_path / "out", progress=False)

@@ -84,7 +84,7 @@ def rollout(start_local_app, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(rollout, tmp_path_factory):
     """The reference: one process trains on the whole batch (world size 1) and publishes version 1."""
-    from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+    from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
     tmp = tmp_path_factory.mktemp("dp_single")
     config = trainer_config(tmp, "single")
@@ -97,7 +97,7 @@ def one_process(rollout, tmp_path_factory):
 
 
 def test_shards_are_equal_blocks_of_whole_groups():
-    from serve_app.trainer.distributed import shard_rows
+    from serve_app.trainer.parallel import shard_rows
 
     assert [r.tolist() for r in shard_rows(8, 2, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [r.tolist() for r in shard_rows(12, 4, 3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
@@ -220,8 +220,8 @@ def _rank_main(spec: dict) -> None:
 
     from serve_app.local_ray import loopback_ray_env
     from serve_app.trainer.config import load_trainer_config
-    from serve_app.trainer.distributed import DataParallel
-    from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+    from serve_app.trainer.parallel import DataParallel
+    from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
     loopback_ray_env()
     torch.set_num_threads(1)
@@ -246,13 +246,13 @@ def _rank_main(spec: dict) -> None:
                 "full_numel": sum(p.numel() for p in params), "error": None,
             }
             stats = {}
-            real_check = trainer._check_onpolicy
+            real_check = trainer.update.check_onpolicy
 
-            def check(s, real_check=real_check, stats=stats):
+            def check(s, *args, real_check=real_check, stats=stats):
                 stats["own"] = s.onpolicy_ratio_dev  # this rank's deviation, before the ranks exchange theirs
-                real_check(s)
+                real_check(s, *args)
 
-            trainer._check_onpolicy = check
+            trainer.update.check_onpolicy = check
             try:
                 trainer.train(1)
             except Exception as exc:  # reported to the test, which says what it expects
@@ -266,3 +266,21 @@ def _rank_main(spec: dict) -> None:
 
 if __name__ == "__main__":
     _rank_main(json.loads(sys.argv[1]))
+
+
+def test_workers_that_do_not_fit_fail_at_once_naming_what_they_need_and_the_fix():
+    from serve_app.trainer.config import DistributedSection
+    from serve_app.trainer.connect import PlacementError, check_worker_placement
+
+    section = DistributedSection(workers=2, cpus_per_worker=1.0)
+    # The README's cluster: `ray start --head --num-cpus 2`, with the app's deployments holding 0.7 CPUs.
+    with pytest.raises(PlacementError) as caught:
+        check_worker_placement(section, available={"CPU": 1.3}, total={"CPU": 2.0})
+    message = str(caught.value)
+    assert "2 training workers need 2 CPU" in message and "1.3 of 2 CPU free" in message
+    assert "trainer.distributed.cpus_per_worker (now 1; 0.65 would fit)" in message
+    check_worker_placement(DistributedSection(workers=2, cpus_per_worker=0.5), available={"CPU": 1.3},
+                           total={"CPU": 2.0})
+    with pytest.raises(PlacementError, match="need 1 CPU, 2 GPU.*0 of 0 GPU free.*add GPU nodes"):
+        check_worker_placement(DistributedSection(workers=2, cpus_per_worker=0.5, use_gpu=True),
+                               available={"CPU": 4.0}, total={"CPU": 4.0})

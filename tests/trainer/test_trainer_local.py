@@ -8,10 +8,10 @@ import torch
 from serve_app.client import RolloutClient
 from serve_app.errors import PolicyVersionError
 from serve_app.flowgrpo.sampler import replay_step
-from serve_app.trainer import trainer as trainer_module
+from serve_app.trainer import update as update_module
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.statistics import welch_t
-from serve_app.trainer.trainer import FlowGRPOTrainer, TrainingDivergedError, load_trainer_policy
+from serve_app.trainer.loop import FlowGRPOTrainer, TrainingDivergedError, load_trainer_policy
 
 # Whole training steps through the app: seconds each on 2 cores.
 pytestmark = pytest.mark.slow
@@ -87,13 +87,13 @@ def test_unpublished_version_fails(local_app):
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(local_app, tmp_path, monkeypatch):
     trainer = make_trainer(local_app, tmp_path, "trainer.checkpoint_every=1", "trainer.steps=3")
-    real = trainer_module.clipped_ratio_loss
+    real = update_module.clipped_ratio_loss
 
     def nan_from_step_1(*args, **kwargs):
         loss, ratio = real(*args, **kwargs)
         return (loss * math.nan if trainer.step >= 1 else loss), ratio
 
-    monkeypatch.setattr(trainer_module, "clipped_ratio_loss", nan_from_step_1)
+    monkeypatch.setattr(update_module, "clipped_ratio_loss", nan_from_step_1)
     trainer.train_step()
     trainer.save_checkpoint()
     checkpoint = tmp_path / "out" / "checkpoint"

@@ -6,7 +6,7 @@ import pytest
 from serve_app.client import RolloutClient
 from serve_app.worlds.shapes.evaluation import EVAL_COLUMNS
 from serve_app.trainer.config import load_trainer_config
-from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
 # Whole training steps through the app: seconds each on 2 cores.
 pytestmark = pytest.mark.slow

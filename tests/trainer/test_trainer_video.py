@@ -8,7 +8,7 @@ from PIL import Image
 from serve_app.client import RolloutClient
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.trainer.config import load_trainer_config
-from serve_app.trainer.trainer import FlowGRPOTrainer, load_trainer_policy
+from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
 pytestmark = pytest.mark.slow
 

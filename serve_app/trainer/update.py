@@ -1,0 +1,190 @@
+"""The update of one training step: replay every window transition of a batch with the current weights
+(sampler.replay_step, the code the rollout ran), r = exp(logp - logp_old) against the stored behaviour
+log-probs, the clipped loss + beta * KL, AdamW; and, on a batch sampled with these very weights, the
+check that the first replay gives ratio 1 before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from serve_app.flowgrpo.sampler import replay_step
+from serve_app.flowgrpo.sde import kl_between_means
+from serve_app.policies.base import DiffusionPolicy
+from serve_app.schemas import Trajectory
+from serve_app.trainer.config import TrainerSection
+from serve_app.trainer.ema import EMAModel
+from serve_app.trainer.lora import TrainableTransformer
+from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
+from serve_app.trainer.mismatch import MismatchMonitor
+from serve_app.trainer.parallel import DataParallel, scalar
+
+
+class TrainingDivergedError(RuntimeError):
+    """A non-finite loss or gradient: training stops before the weights or the checkpoint change."""
+
+
+class OnPolicyMismatchError(RuntimeError):
+    """The first replay after a rollout did not give ratio 1: trainer and replicas hold different weights."""
+
+
+@dataclass
+class UpdateStats:
+    losses: list[float] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+    approx_kls: list[float] = field(default_factory=list)
+    clip_fracs: list[float] = field(default_factory=list)
+    ratios: list[torch.Tensor] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    onpolicy_ratio_dev: float = 0.0
+    onpolicy_ratio_dev_by_rank: list[float] = field(default_factory=list)
+
+    @staticmethod
+    def merged(parts: list[UpdateStats]) -> UpdateStats:
+        """The ranks' stats as one (for rank 0's metrics row): per-micro-batch values of every rank, the
+        gradient norms and the on-policy deviations every rank already shares."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        return UpdateStats(
+            losses=[v for p in parts for v in p.losses], kls=[v for p in parts for v in p.kls],
+            approx_kls=[v for p in parts for v in p.approx_kls], clip_fracs=[v for p in parts for v in p.clip_fracs],
+            ratios=[r for p in parts for r in p.ratios], grad_norms=first.grad_norms,
+            onpolicy_ratio_dev=first.onpolicy_ratio_dev, onpolicy_ratio_dev_by_rank=first.onpolicy_ratio_dev_by_rank,
+        )
+
+
+class PolicyUpdate:
+    """The trainable weights, their optimizer (and EMA) and the step that changes them.
+
+    Args:
+        cfg: the trainer section (lr, clip range, beta, micro-batches, tolerances).
+        policy: the trainer's copy of the policy; its transformer gets the trainable adapter.
+        parallel: this process's rank (the whole update runs on every rank, on its shard).
+        history: the metric rows logged so far; a divergence names the last finite one.
+    """
+
+    def __init__(self, cfg: TrainerSection, policy: DiffusionPolicy, parallel: DataParallel, *,
+                 history: Sequence[dict[str, float]] = ()) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.parallel = parallel
+        self.history = history
+        self.model = TrainableTransformer(policy, cfg.lora)
+        parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.mismatch = MismatchMonitor(**cfg.mismatch.model_dump())  # rollout-vs-replay, always on
+        # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay); rank 0 only.
+        self.ema = (EMAModel(self.model.parameters(), decay=cfg.ema_decay)
+                    if cfg.ema_decay and parallel.is_leader else None)
+
+    def run(self, trajectory: Trajectory, advantages: torch.Tensor, *, check_onpolicy: bool, seed: int,
+            step: int) -> UpdateStats:
+        """inner_epochs passes over the batch in micro-batches (drawn with `seed`), every window step k of each
+        row; with `check_onpolicy` the first replay must give ratio 1 (the batch was sampled with these weights)."""
+        cfg, stats = self.cfg, UpdateStats()
+        if not check_onpolicy:
+            stats.onpolicy_ratio_dev = math.nan  # not measured: the batch was sampled with older weights
+        batch, window = len(trajectory), trajectory.log_probs.shape[1]
+        if window == 0:
+            raise ValueError("the rollout has no stochastic steps (sde_type 'ode' or noise_level 0): nothing to train")
+        generator = torch.Generator().manual_seed(seed)
+        self.mismatch.begin(self.policy, trajectory, micro_batch_size=cfg.micro_batch_size)
+        optimizer_steps = 0
+        self.policy.transformer.train()
+        for _epoch in range(cfg.inner_epochs):
+            micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
+            accum = cfg.grad_accum or len(micro_batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, rows in enumerate(micro_batches):
+                group_start = (i // accum) * accum
+                group_end = min(group_start + accum, len(micro_batches))
+                # Every row of an optimizer step weighs the same, 1 / (window x its rows on all ranks; shards are
+                # equal): summed over ranks, the gradients are the one-process gradient of the whole batch.
+                step_rows = sum(len(r) for r in micro_batches[group_start:group_end]) * self.parallel.world_size
+                first_replay = check_onpolicy and optimizer_steps == 0
+                for k in range(window):
+                    loss = self._micro_loss(trajectory, advantages, k, rows, stats, step, on_policy=first_replay)
+                    (loss * (len(rows) / (window * step_rows))).backward()
+                if i + 1 == group_end:
+                    if first_replay:
+                        self.check_onpolicy(stats, step, trajectory.policy_version)
+                    self._optimizer_step(stats, step)
+                    optimizer_steps += 1
+        self.policy.transformer.eval()
+        return stats
+
+    def _micro_loss(self, trajectory: Trajectory, advantages: torch.Tensor, k: int, rows: torch.Tensor,
+                    stats: UpdateStats, step: int, *, on_policy: bool) -> torch.Tensor:
+        cfg = self.cfg
+        new = replay_step(self.policy, trajectory, k, rows=rows)
+        old_log_prob = trajectory.log_probs[rows, k].to(new.log_prob.device)
+        if on_policy:
+            self.mismatch.observe(new.log_prob, old_log_prob)
+        # With trainer.mismatch.tis_cap: the trainer's pre-update log-prob, and TIS-weighted advantages.
+        old_log_prob, weighted = self.mismatch.correct(rows, k, old_log_prob, advantages[rows].to(new.log_prob.device))
+        policy_loss, ratio = clipped_ratio_loss(new.log_prob, old_log_prob, weighted, cfg.clip_range)
+        if on_policy:  # checked against the tolerance before the first optimizer step (check_onpolicy)
+            deviation = float((ratio.detach() - 1.0).abs().max())
+            stats.onpolicy_ratio_dev = max(stats.onpolicy_ratio_dev, deviation)
+        kl = torch.zeros((), device=policy_loss.device)
+        if cfg.beta > 0:
+            # The reference runs without grad; the KL's gradient flows through new.mean only.
+            with torch.no_grad(), self.model.reference():
+                ref = replay_step(self.policy, trajectory, k, rows=rows)
+            kl = kl_between_means(new.mean, ref.mean, new.std).mean()
+        loss = policy_loss + cfg.beta * kl
+        if not torch.isfinite(loss):
+            raise self._diverged(
+                f"loss {float(loss.detach())} (policy loss {float(policy_loss.detach())}, kl {float(kl.detach())}) "
+                f"at window step {k}", step
+            )
+        s = loss_stats(new.log_prob, old_log_prob, ratio, cfg.clip_range)
+        stats.losses.append(float(loss.detach()))
+        stats.kls.append(float(kl.detach()))
+        stats.approx_kls.append(s.approx_kl)
+        stats.clip_fracs.append(s.clip_frac)
+        stats.ratios.append(ratio.detach().cpu())
+        return loss
+
+    def check_onpolicy(self, stats: UpdateStats, step: int, version: int) -> None:
+        """Every rank's first replay must give ratio 1 on its rows; the ranks exchange their deviations, so a
+        mismatch on any rank stops all of them before an optimizer step (nothing changes, nothing is published)."""
+        cfg, world = self.cfg, self.parallel.world_size
+        stats.onpolicy_ratio_dev_by_rank = by_rank = self.parallel.all_gather(stats.onpolicy_ratio_dev)
+        stats.onpolicy_ratio_dev = deviation = max(by_rank)
+        if deviation > cfg.onpolicy_tolerance:
+            ranks = [r for r, d in enumerate(by_rank) if d > cfg.onpolicy_tolerance]
+            where = f" on rank(s) {ranks} of {world}" if world > 1 else ""
+            raise OnPolicyMismatchError(
+                f"step {step}: replaying the rollout of version {version} before any update gives |ratio - 1| = {deviation:.3g}{where} > "
+                f"trainer.onpolicy_tolerance {cfg.onpolicy_tolerance}; the replicas' weights, sampling settings or "
+                "precision differ from the trainer's"
+            )
+
+    def _optimizer_step(self, stats: UpdateStats, step: int) -> None:
+        self.parallel.reduce_gradients(self.model.parameters())
+        grad_norm = scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm))
+        if not math.isfinite(grad_norm):
+            raise self._diverged(f"gradient norm {grad_norm}", step)
+        stats.grad_norms.append(grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step(self.model.parameters())
+
+    def _diverged(self, what: str, step: int) -> TrainingDivergedError:
+        last = self.history[-1] if self.history else None
+        finite = (
+            f"last finite values (step {int(last['step'])}): loss {last['loss']:.6g}, reward_mean {last['reward_mean']:.6g}, "
+            f"ratio_max {last['ratio_max']:.6g}, policy_version {int(last['policy_version'])}"
+            if last else "no finite step before it"
+        )
+        return TrainingDivergedError(
+            f"non-finite {what} at step {step}; stopped before the optimizer step, the checkpoint is left as it "
+            f"was; {finite}"
+        )
