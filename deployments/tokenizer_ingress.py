@@ -132,18 +132,20 @@ class TokenizerIngress:
         """One chunk on some replica. A replica that dies while holding it costs a re-run on another
         (or the restarted) one, not the request: the chunk's seeds make the re-run exactly the
         trajectory the undisturbed run returns."""
-        retries = self.config.ingress.chunk_retries
-        for attempt in range(retries + 1):
-            try:
-                return await self.replica.generate.remote(chunk)
-            except RayActorError as exc:
-                logger.warning("chunk lost with its replica (attempt %d of %d): %s", attempt + 1, retries + 1, exc)
-                if attempt < retries:
-                    self.chunk_reruns.inc()
-        raise ReplicaUnavailableError(
-            f"the replica running a chunk died {retries + 1} times in a row (ingress.chunk_retries = {retries}); "
-            "retry the request"
-        )
+        policy = self.config.ingress.chunk_retry
+
+        def rerun(exc: BaseException, failed: int) -> None:
+            logger.warning("chunk lost with its replica (attempt %d of %d): %s", failed, policy.attempts, exc)
+            self.chunk_reruns.inc()
+
+        try:
+            return await policy.call_async(lambda: self.replica.generate.remote(chunk),
+                                           retryable=lambda exc: isinstance(exc, RayActorError), on_retry=rerun)
+        except RayActorError:
+            raise ReplicaUnavailableError(
+                f"the replica running a chunk died {policy.attempts} times in a row (ingress.chunk_retry.attempts = "
+                f"{policy.attempts}); retry the request"
+            ) from None
 
     async def rollout(self, request: RolloutRequest | dict) -> TrajectoryBatch:
         """The trainer's entry: a TrajectoryBatch of tensors. Raises InvalidRequestError & co."""

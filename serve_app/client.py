@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from serve_app.errors import AppNotDeployedError, ReplicaUnavailableError
+from serve_app.retry import RetryPolicy
 from serve_app.schemas import RolloutRequest, SamplingOverrides, SamplingParams, TrajectoryBatch
 
 Sampling = SamplingParams | SamplingOverrides | dict
 
 logger = logging.getLogger(__name__)
+
+# Serve takes about a second to notice a dead replica and route around it.
+DEFAULT_RETRY = RetryPolicy(attempts=2, backoff_s=1.0, max_backoff_s=1.0)
 
 DEPLOY_HINT = (
     "start it with `serve deploy serve_config.yaml` (after `ray start --head`, with RAY_AUTH_MODE=token, "
@@ -46,21 +48,18 @@ class RolloutClient:
     return a TrajectoryBatch of tensors; errors arrive as the service's typed exceptions.
 
     A rollout lost with a process that served it (a replica or its node died, see
-    :func:`lost_with_a_replica`) is sent again, the same request, up to `retries` times (`retry_delay_s`
-    apart, for Serve to notice the death). A seeded request pinned to a version comes back identical
-    (a sample's noise depends only on its seed); an unseeded one gets fresh seeds, an unpinned one the
-    version that is newest when it is re-planned, stamped as such. `timeout_s` bounds each attempt.
-    Nothing else is retried.
+    :func:`lost_with_a_replica`) is sent again, the same request, as `retry` allows (by default twice in
+    all, a second or so apart, for Serve to notice the death). A seeded request pinned to a version comes
+    back identical (a sample's noise depends only on its seed); an unseeded one gets fresh seeds, an
+    unpinned one the version that is newest when it is re-planned, stamped as such. `timeout_s` bounds
+    each attempt. Nothing else is retried.
     """
 
-    def __init__(self, app_name: str = "flowgrpo", *, handle: Any | None = None, retries: int = 1,
-                 retry_delay_s: float = 1.0) -> None:
-        if retries < 0 or retry_delay_s < 0:
-            raise ValueError(f"retries and retry_delay_s must be >= 0; got {retries} and {retry_delay_s}")
+    def __init__(self, app_name: str = "flowgrpo", *, handle: Any | None = None,
+                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
         self.app_name = app_name
         self._handle = handle
-        self.retries = retries
-        self.retry_delay_s = retry_delay_s
+        self.retry = retry
         self.lost_rollouts = 0  # attempts lost with a replica and sent again, over this client's life
 
     @property
@@ -106,15 +105,8 @@ class RolloutClient:
         timeout_s: float | None = None,
     ) -> TrajectoryBatch:
         request = self._request(prompts, group_size, sampling, policy_version, seed)
-        attempt = 0
-        while True:
-            try:
-                return self.handle.rollout.remote(request).result(timeout_s=timeout_s)
-            except Exception as exc:
-                if not self._retry(exc, attempt):
-                    raise
-            attempt += 1
-            time.sleep(self.retry_delay_s)
+        return self.retry.call(lambda: self.handle.rollout.remote(request).result(timeout_s=timeout_s),
+                               retryable=lost_with_a_replica, on_retry=self._lost)
 
     async def rollout_async(
         self,
@@ -125,21 +117,10 @@ class RolloutClient:
         seed: int | None = None,
     ) -> TrajectoryBatch:
         request = self._request(prompts, group_size, sampling, policy_version, seed)
-        attempt = 0
-        while True:
-            try:
-                return await self.handle.rollout.remote(request)
-            except Exception as exc:
-                if not self._retry(exc, attempt):
-                    raise
-            attempt += 1
-            await asyncio.sleep(self.retry_delay_s)
+        return await self.retry.call_async(lambda: self.handle.rollout.remote(request), retryable=lost_with_a_replica,
+                                           on_retry=self._lost)
 
-    def _retry(self, exc: Exception, attempt: int) -> bool:
-        """Whether to send the request again after attempt `attempt` (0-based) failed with `exc`."""
-        if attempt >= self.retries or not lost_with_a_replica(exc):
-            return False
+    def _lost(self, exc: BaseException, failed_calls: int) -> None:
         self.lost_rollouts += 1
         logger.warning("rollout lost with a replica (attempt %d of %d), sending the same request again: %s",
-                       attempt + 1, self.retries + 1, type(exc).__name__)
-        return True
+                       failed_calls, self.retry.attempts, type(exc).__name__)

@@ -69,7 +69,7 @@ class NumericalError(RolloutError):
 
 
 class ReplicaUnavailableError(RolloutError):
-    """A chunk's replica died on every allowed attempt (ingress.chunk_retries)."""
+    """A chunk's replica died on every allowed attempt (ingress.chunk_retry)."""
 
     http_status = 503
 

@@ -14,6 +14,7 @@ from ray.serve.exceptions import ReplicaUnavailableError as ServeReplicaUnavaila
 
 from serve_app.client import RolloutClient, lost_with_a_replica
 from serve_app.errors import InvalidRequestError, PolicyVersionError, ReplicaUnavailableError
+from serve_app.retry import RetryPolicy
 
 
 class _Response:
@@ -64,10 +65,14 @@ NOT_LOST = [
 ]
 
 
+def no_wait(attempts: int) -> RetryPolicy:
+    return RetryPolicy(attempts=attempts, backoff_s=0.0, max_backoff_s=0.0)
+
+
 @pytest.mark.parametrize("error", LOST)
 def test_a_lost_rollout_is_sent_again_once_with_the_same_request(error):
     handle = _ScriptedHandle(error, "the batch")
-    client = RolloutClient(handle=handle, retry_delay_s=0)
+    client = RolloutClient(handle=handle, retry=no_wait(2))
     assert lost_with_a_replica(error)
     assert client.rollout(["a red circle", "two cats"], 4, sampling={"num_steps": 4}, policy_version=3, seed=11) == "the batch"
     first, second = handle.requests
@@ -79,7 +84,7 @@ def test_a_lost_rollout_is_sent_again_once_with_the_same_request(error):
 @pytest.mark.parametrize("error", NOT_LOST)
 def test_an_error_of_the_request_or_the_load_is_never_retried(error):
     handle = _ScriptedHandle(error, "a batch that must not be asked for")
-    client = RolloutClient(handle=handle, retry_delay_s=0)
+    client = RolloutClient(handle=handle, retry=no_wait(2))
     assert not lost_with_a_replica(error)
     with pytest.raises(type(error)):
         client.rollout(["a red circle"], 2, seed=1)
@@ -89,31 +94,31 @@ def test_an_error_of_the_request_or_the_load_is_never_retried(error):
 def test_retries_are_bounded_and_the_last_loss_is_raised():
     first, second = ActorDiedError(), _remote(ReplicaUnavailableError("died again"))
     handle = _ScriptedHandle(first, second, "a third attempt that must not happen")
-    client = RolloutClient(handle=handle, retry_delay_s=0)  # retries=1 by default
+    client = RolloutClient(handle=handle, retry=no_wait(2))  # two attempts, as by default
     with pytest.raises(ReplicaUnavailableError) as info:
         client.rollout(["a"], 2, seed=5)
     assert info.value is second and len(handle.requests) == 2 and client.lost_rollouts == 1
 
 
-def test_retries_zero_sends_once_and_more_retries_send_more():
+def test_one_attempt_sends_once_and_more_attempts_send_more():
     handle = _ScriptedHandle(ActorDiedError())
     with pytest.raises(ActorDiedError):
-        RolloutClient(handle=handle, retries=0, retry_delay_s=0).rollout(["a"], 2, seed=5)
+        RolloutClient(handle=handle, retry=no_wait(1)).rollout(["a"], 2, seed=5)
     assert len(handle.requests) == 1
     handle = _ScriptedHandle(ActorDiedError(), ActorDiedError(), "third time")
-    client = RolloutClient(handle=handle, retries=2, retry_delay_s=0)
+    client = RolloutClient(handle=handle, retry=no_wait(3))
     assert client.rollout(["a"], 2, seed=5) == "third time"
     assert len(handle.requests) == 3 and client.lost_rollouts == 2
-    with pytest.raises(ValueError, match="retries and retry_delay_s must be >= 0"):
-        RolloutClient(handle=handle, retries=-1)
+    with pytest.raises(ValueError, match="attempts"):
+        RolloutClient(handle=handle, retry=RetryPolicy(attempts=0))
 
 
 def test_the_async_rollout_follows_the_same_policy():
     handle = _ScriptedHandle(ActorUnavailableError("node gone", None), "the batch")
-    client = RolloutClient(handle=handle, retry_delay_s=0)
+    client = RolloutClient(handle=handle, retry=no_wait(2))
     assert asyncio.run(client.rollout_async(["a"], 2, policy_version=1, seed=7)) == "the batch"
     assert handle.requests[0] == handle.requests[1] and client.lost_rollouts == 1
     handle = _ScriptedHandle(_remote(PolicyVersionError("policy version 1 does not exist")), "never")
     with pytest.raises(PolicyVersionError):
-        asyncio.run(RolloutClient(handle=handle, retry_delay_s=0).rollout_async(["a"], 2, policy_version=1))
+        asyncio.run(RolloutClient(handle=handle, retry=no_wait(2)).rollout_async(["a"], 2, policy_version=1))
     assert len(handle.requests) == 1

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from serve_app.config.loader import load_config as _load_config
 from serve_app.flowgrpo.advantages import StdMode
 from serve_app.imports import is_import_path
+from serve_app.retry import RetryPolicy, refuse_renamed_keys
 from serve_app.rewards import RewardSpec, registered_rewards
 from serve_app.schemas import SamplingParams
 
@@ -77,12 +78,19 @@ class IngressConfig(Section):
         "frames: a video of F' latent frames takes F' places, so video chunks hold fewer samples, and a video "
         "longer than a chunk is refused (413): Wan2.1's 81 frames are 21 latent frames.",
     )
-    chunk_retries: int = Field(
-        2, ge=0, description="Re-runs of a chunk whose replica died (its seeds make a re-run exact); then HTTP 503."
+    chunk_retry: RetryPolicy = Field(
+        default_factory=lambda: RetryPolicy(attempts=3, backoff_s=0.0),
+        description="Calls of a chunk whose replica died, the first included (its seeds make a re-run exact); "
+        "after the last, HTTP 503.",
     )
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs reserved per ingress replica.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests one ingress replica handles at once.")
     max_queued_requests: int = Field(128, ge=-1, description="Requests queued before HTTP 503; -1 = unbounded.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        return refuse_renamed_keys(data, {"chunk_retries": "chunk_retry: {attempts: chunk_retries + 1}"})
 
 
 class AutoscalingConfig(Section):

@@ -13,11 +13,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.errors import RewardError
+from serve_app.retry import RetryPolicy, always, refuse_renamed_keys
 
 from .registry import RewardFn, build_reward, declares_groupwise
 from .video import check_sample_batch
 
-ArgValue = Union[bool, int, float, str, list]
+ArgValue = Union[bool, int, float, str, list, dict]
 RuntimeEnvValue = Union[str, list[str], dict[str, str]]
 TOTAL_KEY = "total"
 
@@ -79,14 +80,22 @@ class RewardSpec(BaseModel):
         description="Scores whole groups (ranking, diversity): called once per group when all its samples are in. "
         "None: as the reward declares (register_reward(..., groupwise=True) or a `groupwise` attribute).",
     )
-    retries: int = Field(0, ge=0, description="Calls repeated after a failure (with backoff) before it counts.")
-    retry_backoff_s: float = Field(0.2, ge=0, description="Wait before the first retry; doubles with each retry.")
+    retry: RetryPolicy = Field(
+        default_factory=RetryPolicy, description="Calls after a failure of any kind (the first included) before it "
+        "counts; default one call, no retry.",
+    )
     timeout_s: float | None = Field(None, gt=0, description="A call slower than this fails (and may be retried).")
     on_error: Literal["fail", "drop_group"] = Field(
         "fail",
         description="After the retries: fail the request with a RewardError (HTTP 502), or drop the group "
         "(reported in TrajectoryBatch.dropped_groups and the metrics).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        return refuse_renamed_keys(data, {"retries": "retry: {attempts: retries + 1}",
+                                          "retry_backoff_s": "retry: {backoff_s: ...}"})
 
     @model_validator(mode="after")
     def _check_server(self) -> RewardSpec:
@@ -273,29 +282,32 @@ class CompositeReward:
 
     async def _call(self, key: str, spec: RewardSpec, images: torch.Tensor, prompt: str, executor: Executor | None,
                     observer: RewardObserver) -> torch.Tensor:
-        """One component on one part, retried with exponential backoff; fails closed with a RewardError."""
+        """One component on one part, with its retry policy; fails closed with a RewardError."""
         prompts = [prompt] * images.shape[0]
-        attempts = spec.retries + 1
-        for attempt in range(attempts):
+        last_call_s = 0.0
+
+        async def attempt() -> torch.Tensor:
+            nonlocal last_call_s
             started = time.perf_counter()
             try:
                 raw = await asyncio.wait_for(self._invoke(key, images, prompts, executor), spec.timeout_s)
-                values = checked_values(spec.name, prompt, raw, images.shape[0])
-            except Exception as exc:
-                seconds = time.perf_counter() - started
-                if attempt + 1 < attempts:
-                    observer.record(key, "retry", seconds)
-                    await asyncio.sleep(spec.retry_backoff_s * 2**attempt)
-                    continue
-                observer.record(key, "failed", seconds)
-                detail = _describe(exc)
-                if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-                    detail = f"timed out after {spec.timeout_s} s"
-                raise RewardError(spec.name, prompt, detail + (f" (after {attempts} attempts)" if attempts > 1 else "")
-                                  ) from exc
-            observer.record(key, "ok", time.perf_counter() - started)
-            return values
-        raise AssertionError("unreachable")  # the loop returns or raises
+                return checked_values(spec.name, prompt, raw, images.shape[0])
+            finally:
+                last_call_s = time.perf_counter() - started
+
+        try:
+            values = await spec.retry.call_async(attempt, retryable=always,
+                                                 on_retry=lambda exc, failed: observer.record(key, "retry", last_call_s))
+        except Exception as exc:
+            observer.record(key, "failed", last_call_s)
+            detail = _describe(exc)
+            if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+                detail = f"timed out after {spec.timeout_s} s"
+            attempts = spec.retry.attempts
+            raise RewardError(spec.name, prompt, detail + (f" (after {attempts} attempts)" if attempts > 1 else "")
+                              ) from exc
+        observer.record(key, "ok", last_call_s)
+        return values
 
     def _invoke(self, key: str, images: torch.Tensor, prompts: list[str], executor: Executor | None) -> Awaitable[Any]:
         call = self._calls[key]

@@ -4,10 +4,11 @@ Both send images as base64 PNG inside JSON and read JSON back with ``json.loads`
 ever unpickled from the network). Both share the transport rules of :class:`JsonPoster`:
 
 * ``timeout_s`` bounds each connect and each read (urllib's socket timeout), per attempt;
-* up to ``max_attempts`` attempts in all; only connection errors, timeouts, HTTP 429 and 5xx are
-  retried, after ``backoff_s * 2**(k-1)`` seconds (capped at ``max_backoff_s``, half of it
-  jittered; a numeric ``Retry-After`` stretches the wait up to the cap). Other statuses, redirects
-  (never followed) and malformed replies fail at once: repeating them would give the same answer;
+* ``retry`` (a :class:`~serve_app.retry.RetryPolicy`, default 3 attempts, backoff 0.5 s up to 8 s):
+  only connection errors, timeouts, HTTP 429 and 5xx are retried, and a numeric ``Retry-After``
+  stretches the wait up to the cap. Other statuses, redirects (never followed) and malformed replies
+  fail at once: repeating them would give the same answer. (A reward component's own ``retry``
+  repeats the whole reward call; this one repeats a single POST.);
 * at most ``max_concurrency`` requests in flight per process and endpoint URL, whatever the number
   of rewards or threads using it (the first reward built for an endpoint sets the limit; a later
   one asking for another limit is an error);
@@ -41,12 +42,10 @@ import http.client
 import json
 import math
 import os
-import random
 import re
 import ssl
 import string
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +54,7 @@ from typing import Any, Sequence
 import torch
 
 from serve_app.media import png_base64
+from serve_app.retry import RetryPolicy
 
 from .registry import RewardFn, register_reward
 from .video import check_sample_batch
@@ -138,6 +138,14 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"non-finite number {name} in JSON")
 
 
+# A scorer that is briefly unreachable or overloaded (429, 5xx) usually answers a moment later.
+DEFAULT_RETRY = RetryPolicy(attempts=3, backoff_s=0.5, max_backoff_s=8.0)
+
+
+def _retry_policy(retry: RetryPolicy | dict | None) -> RetryPolicy:
+    return DEFAULT_RETRY if retry is None else RetryPolicy.model_validate(retry)
+
+
 def _retry_after(value: str | None) -> float | None:
     try:
         seconds = float(value) if value is not None else None
@@ -154,9 +162,7 @@ class JsonPoster:
         url: str,
         *,
         timeout_s: float,
-        max_attempts: int,
-        backoff_s: float,
-        max_backoff_s: float,
+        retry: RetryPolicy,
         max_concurrency: int,
         api_key_env: str | None,
     ) -> None:
@@ -164,17 +170,11 @@ class JsonPoster:
             raise ValueError(f"endpoint must be an http:// or https:// URL, got {url!r}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1 (1 = no retry), got {max_attempts}")
-        if not (0 <= backoff_s <= max_backoff_s and math.isfinite(max_backoff_s)):
-            raise ValueError(f"need 0 <= backoff_s <= max_backoff_s (finite), got {backoff_s} and {max_backoff_s}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.url = url
         self.timeout_s = float(timeout_s)
-        self.max_attempts = max_attempts
-        self.backoff_s = float(backoff_s)
-        self.max_backoff_s = float(max_backoff_s)
+        self.retry = retry
         self.max_concurrency = max_concurrency
         self._semaphore = _endpoint_semaphore(url, max_concurrency)
         key = _api_key(api_key_env)
@@ -189,23 +189,18 @@ class JsonPoster:
             RemoteRewardError: no usable reply after the allowed attempts (or a non-retryable failure).
         """
         body = json.dumps(payload).encode()
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                with self._semaphore:
-                    return self._post_once(body, attempt)
-            except _Retryable as e:
-                if attempt == self.max_attempts:
-                    raise RemoteRewardError(self.url, e.cause, attempt) from None
-                time.sleep(self._delay(attempt, e.retry_after_s))
-        raise AssertionError("unreachable")  # the loop returns or raises
+        attempts = 0
 
-    def _delay(self, attempt: int, retry_after_s: float | None) -> float:
-        base = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-        # Half fixed, half random: clients that failed together do not retry in lockstep.
-        delay = base / 2 + random.uniform(0, base / 2)
-        if retry_after_s is not None:
-            delay = max(delay, min(retry_after_s, self.max_backoff_s))
-        return delay
+        def post_once() -> Any:
+            nonlocal attempts
+            attempts += 1
+            with self._semaphore:
+                return self._post_once(body, attempts)
+
+        try:
+            return self.retry.call(post_once, retryable=lambda exc: isinstance(exc, _Retryable))
+        except _Retryable as e:
+            raise RemoteRewardError(self.url, e.cause, attempts) from None
 
     def _post_once(self, body: bytes, attempt: int) -> Any:
         request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
@@ -287,9 +282,7 @@ def remote_score(
     url: str,
     batch_size: int | None = None,
     timeout_s: float = 30.0,
-    max_attempts: int = 3,
-    backoff_s: float = 0.5,
-    max_backoff_s: float = 8.0,
+    retry: RetryPolicy | dict | None = None,
     max_concurrency: int = 4,
     api_key_env: str | None = None,
 ) -> RewardFn:
@@ -301,8 +294,7 @@ def remote_score(
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
     poster = JsonPoster(
-        url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
-        max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, api_key_env=api_key_env,
+        url, timeout_s=timeout_s, retry=_retry_policy(retry), max_concurrency=max_concurrency, api_key_env=api_key_env,
     )
 
     def score_chunk(chunk: tuple[str, list[Any], list[str]]) -> list[float]:
@@ -393,9 +385,7 @@ def vlm_judge(
     max_tokens: int = 64,
     temperature: float = 0.0,
     timeout_s: float = 60.0,
-    max_attempts: int = 3,
-    backoff_s: float = 0.5,
-    max_backoff_s: float = 8.0,
+    retry: RetryPolicy | dict | None = None,
     max_concurrency: int = 4,
     api_key_env: str | None = None,
 ) -> RewardFn:
@@ -416,8 +406,7 @@ def vlm_judge(
         raise ValueError(f"need min_score < max_score, got {min_score} and {max_score}")
     url = base_url.rstrip("/") + "/chat/completions"
     poster = JsonPoster(
-        url, timeout_s=timeout_s, max_attempts=max_attempts, backoff_s=backoff_s,
-        max_backoff_s=max_backoff_s, max_concurrency=max_concurrency, api_key_env=api_key_env,
+        url, timeout_s=timeout_s, retry=_retry_policy(retry), max_concurrency=max_concurrency, api_key_env=api_key_env,
     )
 
     def judge(item: tuple[str | list[str], str]) -> float:

@@ -35,7 +35,7 @@ def unscorable(images, prompts):
 
 # Imported by the reward's replica through the driver's working directory, which Ray puts on its path.
 REWARDS = ("reward.components=[{name: brightness, args: {target: 0.8}}, {name: 'tests.deployments.test_metrics:unscorable',"
-           " weight: 0.0, placement: deployment, groupwise: false, retries: 1, retry_backoff_s: 0.0, on_error: drop_group,"
+           " weight: 0.0, placement: deployment, groupwise: false, retry: {attempts: 2, backoff_s: 0.0}, on_error: drop_group,"
            " server: {runtime_env: {env_vars: {FLOWGRPO_TEST_REWARD_VALUE: '0.25'}}}}]")
 
 

@@ -43,7 +43,7 @@ OVERRIDES = [
     "ingress.chunk_size=2",
     # A chunk lost with its node fails its request (503) instead of running again at the ingress: the
     # client's retry of the whole rollout is what the node-loss test exercises.
-    "ingress.chunk_retries=0",
+    "ingress.chunk_retry.attempts=1",
     "replica.num_cpus=0",
     f"replica.resources={{{SLOT}: 1}}",
     "replica.torch_threads=1",
@@ -312,7 +312,7 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
     a, b = multinode.cluster.worker_nodes
     (victim_pid,) = [pid for node, pid in _wait_for_replicas_on({a.node_id, b.node_id}).values() if node == a.node_id]
     spare = multinode.add_node()
-    recorder = _Recorder(RolloutClient(APP, retry_delay_s=2.0))
+    recorder = _Recorder(RolloutClient(APP, retry=RetryPolicy(attempts=2, backoff_s=2.0, max_backoff_s=2.0)))
     trainer = _trainer(tmp_path, recorder)
     rows = [trainer.train_step()]  # undisturbed; publishes the next version
 

@@ -132,7 +132,7 @@ def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
     from ray import serve
 
     app = f"{APP}-noretry"
-    _deploy(app, [o.replace(APP, app) for o in OVERRIDES] + ["ingress.chunk_retries=0"])
+    _deploy(app, [o.replace(APP, app) for o in OVERRIDES] + ["ingress.chunk_retry.attempts=1"])
     url = cluster.replace(APP, app)
     try:
         failures = []

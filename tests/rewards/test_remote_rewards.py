@@ -18,9 +18,13 @@ import torch
 from PIL import Image
 
 from serve_app.rewards import CompositeReward, RewardError, build_reward
-from serve_app.rewards.remote import JsonPoster, RemoteRewardError, parse_score, spaced_frames
+from serve_app.rewards.remote import RemoteRewardError, parse_score, spaced_frames
 
 FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}  # retries without waiting seconds
+
+
+def fast(attempts: int) -> dict:
+    return {"attempts": attempts, **FAST}
 
 
 class Stub:
@@ -133,7 +137,7 @@ def test_transient_status_is_retried(status):
     images = noise(2)
     with serve(flaky) as stub:
         start = time.monotonic()
-        reward = build_reward("remote_score", url=stub.url, max_attempts=3, backoff_s=0.01, max_backoff_s=1.0)
+        reward = build_reward("remote_score", url=stub.url, retry={"attempts": 3, "backoff_s": 0.01, "max_backoff_s": 1.0})
         scores = reward(images, ["x", "y"])
         elapsed = time.monotonic() - start
     assert len(stub.requests) == 2
@@ -141,9 +145,9 @@ def test_transient_status_is_retried(status):
     assert 0.3 <= elapsed < 1.0  # Retry-After stretched the 0.01 s backoff (within max_backoff_s)
 
 
-def test_always_failing_server_fails_after_exactly_max_attempts():
+def test_always_failing_server_fails_after_exactly_its_attempts():
     with serve(lambda i, b, h: (500, {"error": "boom"})) as stub:
-        reward = build_reward("remote_score", url=stub.url + "/score", max_attempts=3, **FAST)
+        reward = build_reward("remote_score", url=stub.url + "/score", retry=fast(3))
         with pytest.raises(RemoteRewardError) as info:
             reward(noise(2), ["p", "p"])
         assert len(stub.requests) == 3
@@ -152,7 +156,7 @@ def test_always_failing_server_fails_after_exactly_max_attempts():
         assert stub.url + "/score" in message and "HTTP 500" in message and "3 attempts" in message
         assert '"boom"' in message  # the server's own words, for the operator
 
-        composite = CompositeReward([{"name": "remote_score", "args": {"url": stub.url, "max_attempts": 2, **FAST}}])
+        composite = CompositeReward([{"name": "remote_score", "args": {"url": stub.url, "retry": fast(2)}}])
         with pytest.raises(RewardError) as wrapped:
             composite.score(noise(2), ["a red cube", "a red cube"])
     assert wrapped.value.reward_name == "remote_score" and wrapped.value.prompt == "a red cube"
@@ -166,13 +170,13 @@ def test_always_failing_server_fails_after_exactly_max_attempts():
 def test_client_errors_and_redirects_are_not_retried(status, headers, match):
     with serve(lambda i, b, h: (status, {"error": "bad image"}, headers)) as stub:
         with pytest.raises(RemoteRewardError, match="after 1 attempt: " + match):
-            build_reward("remote_score", url=stub.url + "/score", max_attempts=4, **FAST)(noise(1), ["p"])
+            build_reward("remote_score", url=stub.url + "/score", retry=fast(4))(noise(1), ["p"])
     assert [path for path, _, _ in stub.requests] == ["/score"]
 
 
 def test_timeout_is_retried_then_reported():
     with serve(brightness_plus_length, delay_s=1.0) as stub:
-        reward = build_reward("remote_score", url=stub.url, timeout_s=0.2, max_attempts=2, **FAST)
+        reward = build_reward("remote_score", url=stub.url, timeout_s=0.2, retry=fast(2))
         start = time.monotonic()
         with pytest.raises(RemoteRewardError, match=r"after 2 attempts: timed out after 0.2 s"):
             reward(noise(1), ["p"])
@@ -185,7 +189,7 @@ def test_refused_connection_is_retried_then_reported():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again below: nothing listens there
-    reward = build_reward("remote_score", url=f"http://127.0.0.1:{port}/score", max_attempts=2, **FAST)
+    reward = build_reward("remote_score", url=f"http://127.0.0.1:{port}/score", retry=fast(2))
     with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}/score failed after 2 attempts: .*[Rr]efused"):
         reward(noise(1), ["p"])
 
@@ -203,7 +207,7 @@ def test_refused_connection_is_retried_then_reported():
 def test_unusable_replies_fail_without_retry(reply, match):
     with serve(lambda i, b, h: (200, reply)) as stub:
         with pytest.raises(RemoteRewardError, match="unusable reply: " + match):
-            build_reward("remote_score", url=stub.url, max_attempts=3, **FAST)(noise(1), ["p"])
+            build_reward("remote_score", url=stub.url, retry=fast(3))(noise(1), ["p"])
     assert len(stub.requests) == 1
 
 
@@ -224,25 +228,15 @@ def test_api_key_comes_from_the_named_environment_variable(monkeypatch):
 def test_bad_transport_settings_fail_at_build():
     for kwargs, match in [
         ({"url": "file:///etc/passwd"}, "http:// or https://"),
-        ({"url": "http://127.0.0.1:9/a", "max_attempts": 0}, "max_attempts must be >= 1"),
+        ({"url": "http://127.0.0.1:9/a", "retry": {"attempts": 0}}, "attempts"),
         ({"url": "http://127.0.0.1:9/a", "timeout_s": 0}, "timeout_s must be a positive number"),
-        ({"url": "http://127.0.0.1:9/a", "backoff_s": 2.0, "max_backoff_s": 1.0}, "backoff_s <= max_backoff_s"),
+        ({"url": "http://127.0.0.1:9/a", "retry": {"backoff_s": 2.0, "max_backoff_s": 1.0}}, r"backoff_s \(2.0\) must be <= max_backoff_s"),
     ]:
         with pytest.raises(ValueError, match=match):
             build_reward("remote_score", **kwargs)
     build_reward("remote_score", url="http://127.0.0.1:9/limit", max_concurrency=2)
     with pytest.raises(ValueError, match="already limits that endpoint to 2"):
         build_reward("remote_score", url="http://127.0.0.1:9/limit", max_concurrency=3)
-
-
-def test_backoff_doubles_with_jitter_and_is_capped():
-    poster = JsonPoster("http://127.0.0.1:9/backoff", timeout_s=1, max_attempts=9, backoff_s=1.0,
-                        max_backoff_s=4.0, max_concurrency=1, api_key_env=None)
-    for attempt, (lo, hi) in enumerate([(0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (2.0, 4.0)], start=1):
-        delays = [poster._delay(attempt, None) for _ in range(200)]
-        assert lo <= min(delays) and max(delays) <= hi
-        assert max(delays) - min(delays) > 0.25 * (hi - lo)  # jittered, not fixed
-    assert poster._delay(1, 3.0) >= 3.0 and poster._delay(1, 60.0) <= 4.0
 
 
 def test_error_survives_pickling():
@@ -366,7 +360,7 @@ def test_remote_rewards_reject_what_is_neither_images_nor_videos():
 def test_vlm_judge_rejects_unparseable_or_out_of_range_replies(content):
     reply = {"choices": [{"message": {"role": "assistant", "content": content}}]}
     with serve(lambda i, b, h: (200, reply)) as stub:
-        reward = build_reward("vlm_judge", base_url=stub.url + "/v1", model="m", max_attempts=3, **FAST)
+        reward = build_reward("vlm_judge", base_url=stub.url + "/v1", model="m", retry=fast(3))
         with pytest.raises(RemoteRewardError, match="unusable reply: (no score found|score 12 outside)"):
             reward(noise(1), ["p"])
     assert len(stub.requests) == 1

@@ -46,8 +46,8 @@ REWARDS = (
     "reward.components=["
     "{name: brightness, args: {target: 0.8}, placement: deployment, server: {max_batch_size: 4}},"
     "{name: test_server_rank, weight: 0.1, placement: deployment},"
-    "{name: test_server_fails_on, weight: 0.0, args: {word: unscorable}, placement: deployment, retries: 1,"
-    " retry_backoff_s: 0.0, on_error: drop_group},"
+    "{name: test_server_fails_on, weight: 0.0, args: {word: unscorable}, placement: deployment, retry: {attempts: 2, backoff_s: 0.0},"
+    " on_error: drop_group},"
     "{name: test_server_fails_on, weight: 0.0, args: {word: fatal}}]"
 )
 OVERRIDES = ["sampling.num_steps=4", "sampling.sde_window_range=[0,2]", "ingress.chunk_size=3", REWARDS]
@@ -232,7 +232,7 @@ def test_stub_scorer_drop_group_drops_exactly_the_groups_it_failed(scorer):
 def test_stub_scorer_retries_recover_every_503(scorer):
     server = scorer(seed_failing(GROUPS, 2))
     events = Events()
-    asm = stub_assembler(f"http://127.0.0.1:{server.server_port}/score", events, retries=3, retry_backoff_s=0.01)
+    asm = stub_assembler(f"http://127.0.0.1:{server.server_port}/score", events, retry={"attempts": 4, "backoff_s": 0.01})
     started = time.perf_counter()
     batch = asm.assemble(chunks(), PROMPTS, GROUP_SIZE, request_id="retry")
     assert len(server.failed_prompts) >= 2 and events.outcomes.count("retry") == len(server.failed_prompts)

@@ -186,8 +186,7 @@ def test_groupwise_reward_is_called_with_whole_groups_only():
 
 def test_drop_group_removes_the_failed_group_and_reports_it():
     events = Events()
-    asm = assembler({"name": "test_mean"}, {"name": "test_fails_on", "on_error": "drop_group", "retries": 1,
-                                            "retry_backoff_s": 0.0}, observer=events)
+    asm = assembler({"name": "test_mean"}, {"name": "test_fails_on", "on_error": "drop_group", "retry": {"attempts": 2, "backoff_s": 0.0}}, observer=events)
     batch = asm.assemble(chunks_of(3, 4, 3), PROMPTS, 4, request_id="r")
     assert list(batch.dropped_groups) == [2]
     assert "'test_fails_on' failed on prompt 'a bad owl'" in batch.dropped_groups[2]
@@ -206,7 +205,7 @@ def test_drop_group_removes_the_failed_group_and_reports_it():
 
 def test_retries_recover_a_transient_failure():
     events = Events()
-    asm = assembler({"name": "test_fails_on", "args": {"times": 2, "value": 3.0}, "retries": 2, "retry_backoff_s": 0.0},
+    asm = assembler({"name": "test_fails_on", "args": {"times": 2, "value": 3.0}, "retry": {"attempts": 3, "backoff_s": 0.0}},
                     observer=events)
     batch = asm.assemble(chunks_of(3, 2, 6), PROMPTS, 2, request_id="r")
     assert batch.rewards["test_fails_on"].tolist() == [3.0] * 6 and batch.dropped_groups == {}
@@ -214,7 +213,7 @@ def test_retries_recover_a_transient_failure():
 
 
 def test_fail_raises_a_reward_error_naming_reward_prompt_and_cause():
-    asm = assembler({"name": "test_mean"}, {"name": "test_fails_on", "retries": 2, "retry_backoff_s": 0.0})
+    asm = assembler({"name": "test_mean"}, {"name": "test_fails_on", "retry": {"attempts": 3, "backoff_s": 0.0}})
     with pytest.raises(RewardError) as info:
         asm.assemble(chunks_of(3, 2, 2), PROMPTS, 2, request_id="r")
     error = info.value
