@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.config import (
@@ -13,6 +16,7 @@ from serve_app.config import (
     RewardConfig,
     RolloutConfig,
     config_to_yaml,
+    default_config_dir,
     load_config,
 )
 from serve_app.rewards import RewardSpec
@@ -37,19 +41,110 @@ sampling:
 # The shipped configs
 
 
-def test_rollout_yaml_matches_pydantic_defaults():
-    # Defaults written twice must not drift apart: rollout.yaml restates the schema's defaults.
+def test_the_base_config_is_the_schema_defaults_and_a_reward():
     expected = RolloutConfig(reward=RewardConfig(components=[RewardSpec(name="brightness", args={"target": 0.8})]))
     assert load_config("rollout") == expected
 
 
+# Keys a model group file states even at their default value: they say which checkpoint it is.
+IDENTITY_KEYS = {("model", "family"), ("model", "embedded")}
+
+
+def _field_default(model: type[BaseModel], key: str) -> tuple[bool, Any, type[BaseModel] | None]:
+    """(whether `key` has a plain default, that default, the section or list-item model it holds)."""
+    field = model.model_fields[key]
+    annotation = field.annotation
+    item = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
+    section = item if isinstance(item, type) and issubclass(item, BaseModel) else None
+    if field.is_required() or (section is not None and typing.get_origin(annotation) is not list):
+        return False, None, section
+    return True, field.get_default(call_default_factory=True), section
+
+
+def _restated(data: Any, model: type[BaseModel], path: tuple) -> list[tuple[tuple, Any]]:
+    """(path, value) of every leaf of `data` equal to the schema default at its path."""
+    found = []
+    for key, value in data.items():
+        if key == "defaults" or key not in model.model_fields:
+            continue
+        plain, default, section = _field_default(model, key)
+        here = (*path, key)
+        if section is not None and isinstance(value, dict):
+            found += _restated(value, section, here)
+        elif section is not None and isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    found += _restated(item, section, (*here, i))
+        elif plain and _same(value, default):
+            found.append((here, value))
+    return found
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(default, BaseModel):
+        default = default.model_dump()
+    if isinstance(default, tuple):
+        default = list(default)
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return float(value) == float(default)
+    return value == default
+
+
+def _config_files() -> list[tuple[str, Path]]:
+    root = default_config_dir()
+    return [(str(p.relative_to(root).with_suffix("")), p) for p in sorted(root.rglob("*.yaml"))
+            if p.relative_to(root).parts[0] not in ("shapes", "motion")]  # pretraining configs: tests/*/test_pretrain
+
+
+@pytest.mark.parametrize(("name", "path"), _config_files(), ids=[n for n, _ in _config_files()])
+def test_a_config_file_states_only_what_differs_from_the_schema(name, path):
+    """Every default has one home, the schema: a file that restated one would hold a second copy that
+    drifts. A value equal to the default is allowed only where a file merged before it set another."""
+    from serve_app.config.loader import _compose
+
+    from serve_app.trainer.config import TrainerRunConfig
+
+    group = name.split("/")[0] if name.split("/")[0] in ("model", "reward") else None
+    schema = TrainerRunConfig if name.startswith("trainer/") else RolloutConfig
+    data = yaml.safe_load(path.read_text()) or {}
+    earlier: list[tuple[Path, str]] = []
+    if group is None:
+        root = default_config_dir()
+        _, sources = _compose(name, root, root, [], name)
+        earlier = sources[: [s for s, _ in sources].index(path)]
+    restated = [(p, v) for p, v in _restated({group: data} if group else data, schema, ())
+                if p[:2] not in IDENTITY_KEYS and not _set_before(p, earlier)]
+    assert restated == [], f"{path} restates schema defaults: " + ", ".join(
+        f"{'.'.join(map(str, p))} = {v!r}" for p, v in restated)
+
+
+def _set_before(path: tuple, earlier: list[tuple[Path, str]]) -> bool:
+    """Whether a file merged earlier sets `path` (then restating the default there undoes it)."""
+    for file, package in earlier:
+        data: Any = yaml.safe_load(file.read_text()) or {}
+        for part in [p for p in package.split(".") if p]:
+            data = {part: data}
+        for key in path:
+            if isinstance(data, dict) and key in data:
+                data = data[key]
+            elif isinstance(data, list) and isinstance(key, int) and key < len(data):
+                data = data[key]
+            else:
+                break
+        else:
+            return True
+    return False
+
+
 def test_diffusion_rollout_inherits_and_overrides():
     cfg = load_config("diffusion_rollout")
-    assert cfg.sampling.noise_level == 1.2  # from rollout.yaml
+    assert cfg.sampling.noise_level == 1.2  # the schema's default, through rollout.yaml
     assert cfg.sampling.sde_window_range == (0, 5)
-    assert cfg.replica.autoscaling.downscale_delay_s == 60  # from rollout.yaml
-    assert cfg.ingress.chunk_size == 4  # diffusion_rollout overrides rollout's 8
-    assert cfg.replica.max_batch_size == 2  # ... and rollout's 4
+    assert cfg.replica.autoscaling.downscale_delay_s == 60
+    assert cfg.ingress.chunk_size == 4  # diffusion_rollout overrides the schema's 8
+    assert cfg.replica.max_batch_size == 2  # ... and its 4
     assert cfg.model.embedded == "tiny-qwen-image"  # group model/tiny_qwen_image
     assert [c.name for c in cfg.reward.components] == ["brightness"]  # group reward/brightness
 
@@ -265,3 +360,17 @@ def test_override_of_a_key_no_file_sets():
 def test_vllm_omni_backend_fails_at_validation():
     with pytest.raises(ConfigError, match="replica.backend: the vllm_omni backend is not implemented"):
         load_config("diffusion_rollout", ["replica.backend=vllm_omni"])
+
+
+def test_the_config_command_prints_every_setting_resolved(capsys):
+    from serve_app.config.__main__ import main
+
+    assert main(["shapes_rollout", "sampling.num_steps=12"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["sampling"]["num_steps"] == 12 and printed["sampling"]["noise_level"] == 0.7
+    # Defaults no file states are printed too.
+    assert printed["replica"]["health_check_timeout_s"] == 30 and printed["ingress"]["chunk_retry"]["attempts"] == 3
+    assert main(["trainer/shapes"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["steps"] == 400
+    assert main(["shapes_rollout", "sampling.num_stepz=1"]) == 2
+    assert "unknown key 'sampling.num_stepz'" in capsys.readouterr().err
