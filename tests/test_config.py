@@ -19,7 +19,7 @@ from serve_app.config import (
     default_config_dir,
     load_config,
 )
-from serve_app.rewards import RewardSpec
+from serve_app.rewards import RewardSpec, declared_input
 
 
 def write(root: Path, rel: str, text: str) -> Path:
@@ -179,10 +179,15 @@ def test_gpu_rollout():
 
 
 def test_every_group_file_loads():
+    # Each with a partner of its kind: a video model with a video reward, a video reward with a video model.
     configs = Path(__file__).resolve().parents[1] / "configs"
-    for group in ("model", "reward"):
-        for path in sorted((configs / group).glob("*.yaml")):
-            load_config("diffusion_rollout", [f"{group}={path.stem}"])
+    for path in sorted((configs / "model").glob("*.yaml")):
+        video = yaml.safe_load(path.read_text())["family"] == "wan"
+        load_config("diffusion_rollout", [f"model={path.stem}", *(["reward=video_brightness"] if video else [])])
+    for path in sorted((configs / "reward").glob("*.yaml")):
+        names = [c["name"] for c in yaml.safe_load(path.read_text())["components"]]
+        video = "videos" in {declared_input(name) for name in names}
+        load_config("diffusion_rollout", [f"reward={path.stem}", *(["model=tiny_wan"] if video else [])])
 
 
 def test_config_to_yaml_round_trips(tmp_path):
@@ -374,3 +379,19 @@ def test_the_config_command_prints_every_setting_resolved(capsys):
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]["steps"] == 400
     assert main(["shapes_rollout", "sampling.num_stepz=1"]) == 2
     assert "unknown key 'sampling.num_stepz'" in capsys.readouterr().err
+
+
+def test_a_reward_that_cannot_take_the_familys_samples_fails_the_config_naming_the_fix():
+    # An image reward on a video family: every request would fail at scoring after a fine-looking deploy.
+    with pytest.raises(ConfigError, match=r"'brightness' scores images, but model family 'wan' samples videos: "
+                                          r"score each frame with \{name: frames.*reward=video_brightness"):
+        load_config("diffusion_rollout", ["model=tiny_wan"])
+    with pytest.raises(ConfigError, match="motion_strict' scores videos, but model family 'qwen_image' samples images"):
+        load_config("diffusion_rollout", ["reward=motion"])
+    # What the message proposes works, and rewards that take either pass with both.
+    load_config("diffusion_rollout", ["model=tiny_wan", "reward=video_brightness"])
+    frames = "reward.components=[{name: frames, args: {reward: brightness, reduce: mean, target: 0.5}}]"
+    assert load_config("diffusion_rollout", ["model=tiny_wan", frames]).reward.components[0].name == "frames"
+    remote = "reward.components=[{name: remote_score, args: {url: 'http://127.0.0.1:9/score'}}]"
+    load_config("diffusion_rollout", ["model=tiny_wan", remote])
+    load_config("diffusion_rollout", [remote])

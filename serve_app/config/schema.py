@@ -21,7 +21,7 @@ from serve_app.config.loader import load_config as _load_config
 from serve_app.flowgrpo.advantages import StdMode
 from serve_app.imports import is_import_path
 from serve_app.retry import RetryPolicy, refuse_renamed_keys
-from serve_app.rewards import RewardSpec, registered_rewards
+from serve_app.rewards import RewardSpec, declared_input, registered_rewards
 from serve_app.schemas import SamplingParams
 
 
@@ -29,6 +29,10 @@ class Section(BaseModel):
     """A config section: unknown keys are errors, named with their path."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+# Families whose pipelines sample videos [B, F, 3, H, W]; the others sample images [B, 3, H, W].
+VIDEO_FAMILIES = ("wan",)
 
 
 class ModelConfig(Section):
@@ -253,6 +257,26 @@ class RolloutConfig(Section):
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig, description="Aggregator deployment.")
     reward: RewardConfig = Field(description="The reward.")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Weight versions' transport.")
+
+    @model_validator(mode="after")
+    def _check_rewards_take_the_samples(self) -> RolloutConfig:
+        """A reward must take what the family samples, or every request fails at scoring (a 502) after a
+        deploy that looked fine."""
+        produces = "videos" if self.model.family in VIDEO_FAMILIES else "images"
+        for i, spec in enumerate(self.reward.components):
+            try:
+                takes = declared_input(spec.name)
+            except ValueError:
+                continue  # a reward only its RewardServer's runtime_env can import: it checks its input itself
+            if takes not in ("any", produces):
+                fix = (f"score each frame with {{name: frames, args: {{reward: {spec.name}, reduce: mean, ...}}}}, "
+                       "or choose a video reward config (e.g. reward=video_brightness)" if produces == "videos"
+                       else "choose an image reward, or a video model family (model.family=wan)")
+                raise ValueError(
+                    f"reward.components[{i}] {spec.name!r} scores {takes}, but model family {self.model.family!r} "
+                    f"samples {produces}: {fix}"
+                )
+        return self
 
 
 R = TypeVar("R", bound=RolloutConfig)

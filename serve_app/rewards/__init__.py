@@ -7,8 +7,10 @@ from .registry import (
     RewardFn,
     build_reward,
     check_image_batch,
+    declared_input,
     register_reward,
     registered_rewards,
+    takes,
 )
 
 __all__ = [
@@ -21,11 +23,13 @@ __all__ = [
     "brightness",
     "build_reward",
     "check_image_batch",
+    "declared_input",
     "color_target",
     "jpeg_compressibility",
     "jpeg_incompressibility",
     "register_reward",
     "registered_rewards",
     "saturation",
+    "takes",
 ]
 

@@ -5,6 +5,11 @@ A *reward* is a callable ``(images, prompts) -> rewards`` with ``images`` a uint
 A *factory* takes keyword arguments (the ``args`` of a reward spec) and returns a reward, so that
 configuration stays plain data that can travel to any Ray worker.
 
+What a reward takes is declared too: ``"images"`` (the default: uint8 ``[B, 3, H, W]``), ``"videos"``
+(uint8 ``[B, F, 3, H, W]``, one value per video) or ``"any"`` (both): ``@register_reward(name,
+takes="videos")``, or :func:`takes` on a reward named by import path. The config refuses a reward
+that cannot take what the model family produces.
+
 A *groupwise* reward (a ranking, a diversity bonus) scores a whole group at once: it is called with
 all ``G`` samples of one prompt, in sample order, and never with a part of a group. A factory
 declares it (``@register_reward(name, groupwise=True)``), as can a plain callable or class with a
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -28,6 +33,7 @@ class RewardFn(Protocol):
 
 RewardFactory = Callable[..., RewardFn]
 F = TypeVar("F", bound=Callable[..., Any])
+Takes = Literal["images", "videos", "any"]
 
 _REGISTRY: dict[str, RewardFactory] = {}
 # Marks a factory so that an import path to a decorated function is called with its kwargs
@@ -35,8 +41,9 @@ _REGISTRY: dict[str, RewardFactory] = {}
 _FACTORY_MARK = "__reward_factory__"
 
 
-def register_reward(name: str, *, groupwise: bool = False) -> Callable[[F], F]:
-    """Decorator registering a reward factory under ``name``; ``groupwise``: its rewards score whole groups."""
+def register_reward(name: str, *, groupwise: bool = False, takes: Takes = "images") -> Callable[[F], F]:
+    """Decorator registering a reward factory under ``name``; ``groupwise``: its rewards score whole groups;
+    ``takes``: what its rewards score."""
     if not name or ":" in name:
         raise ValueError(f"invalid reward name {name!r}: must be non-empty and contain no ':'")
 
@@ -47,6 +54,7 @@ def register_reward(name: str, *, groupwise: bool = False) -> Callable[[F], F]:
             raise ValueError(f"reward {name!r} is already registered to {_qualname(old)}")
         setattr(factory, _FACTORY_MARK, True)
         factory.groupwise = groupwise  # type: ignore[attr-defined]
+        factory.takes = takes  # type: ignore[attr-defined]
         _REGISTRY[name] = factory
         return factory
 
@@ -85,20 +93,42 @@ def build_reward(name: str, **kwargs: Any) -> RewardFn:
     return _call_factory(name, _REGISTRY[name], kwargs)
 
 
+def takes(kind: Takes) -> Callable[[F], F]:
+    """Declare what a reward (or reward factory) named by import path scores: "images", "videos" or "any"."""
+
+    def deco(target: F) -> F:
+        target.takes = kind  # type: ignore[attr-defined]
+        return target
+
+    return deco
+
+
 def declares_groupwise(name: str) -> bool:
     """Whether the reward named ``name`` (registered name or import path) declares itself groupwise.
 
     Raises:
         ValueError: unknown name or unimportable path.
     """
+    return bool(getattr(_declaring(name), "groupwise", False))
+
+
+def declared_input(name: str) -> Takes:
+    """What the reward named ``name`` scores: "images" unless it declares "videos" or "any".
+
+    Raises:
+        ValueError: unknown name or unimportable path.
+    """
+    return getattr(_declaring(name), "takes", "images")
+
+
+def _declaring(name: str) -> Any:
+    """The registered factory or the import path's object: what carries a reward's declarations."""
     _load_builtins()
     if is_import_path(name):
-        target = import_object(name, what="reward")
-    elif name in _REGISTRY:
-        target = _REGISTRY[name]
-    else:
-        raise ValueError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}")
-    return bool(getattr(target, "groupwise", False))
+        return import_object(name, what="reward")
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    raise ValueError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}")
 
 
 def _load_builtins() -> None:

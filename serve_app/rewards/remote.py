@@ -277,7 +277,7 @@ def _parallel(fn: Any, items: list[Any], workers: int) -> list[Any]:
         return list(pool.map(fn, items))
 
 
-@register_reward("remote_score")
+@register_reward("remote_score", takes="any")
 def remote_score(
     url: str,
     batch_size: int | None = None,
@@ -373,7 +373,7 @@ def _check_question(question: str) -> None:
         raise ValueError(f"question must use the field {{prompt}} and no other, got fields {sorted(fields)} in {question!r}")
 
 
-@register_reward("vlm_judge")
+@register_reward("vlm_judge", takes="any")
 def vlm_judge(
     base_url: str,
     model: str,

@@ -45,7 +45,7 @@ def check_sample_batch(samples: torch.Tensor, prompts: Sequence[str]) -> None:
         check_image_batch(samples, prompts)
 
 
-@register_reward("frames")
+@register_reward("frames", takes="videos")
 def frames(reward: str, reduce: Literal["mean", "min"] = "mean", **reward_args: Any) -> RewardFn:
     """An image reward applied to every frame of each video and reduced over the frames.
 
@@ -80,7 +80,7 @@ def frames(reward: str, reduce: Literal["mean", "min"] = "mean", **reward_args: 
     return video_reward
 
 
-@register_reward("temporal_consistency")
+@register_reward("temporal_consistency", takes="videos")
 def temporal_consistency(max_shift: int = 0) -> RewardFn:
     """reward = -(mean over consecutive frame pairs of the mean absolute pixel difference, in [0, 1]).
 

@@ -219,6 +219,6 @@ def test_the_config_loads_the_embedded_wan(flowgrpo_home):
     from serve_app.config import load_config
     from serve_app.policies import load_configured_policy
 
-    config = load_config("diffusion_rollout", ["model=tiny_wan", "model.device=cpu"])
+    config = load_config("diffusion_rollout", ["model=tiny_wan", "reward=video_brightness", "model.device=cpu"])
     assert config.model.family == "wan" and config.model.embedded == "tiny-wan"
     assert isinstance(load_configured_policy(config.model), WanPolicy)

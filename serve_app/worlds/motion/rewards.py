@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from serve_app.rewards.registry import RewardFn
+from serve_app.rewards.registry import RewardFn, takes
 from serve_app.rewards.video import check_video_batch
 from .checker import MotionVerdict, check_video, progress_along
 from .scene import MotionSpec, parse_prompt
@@ -40,16 +40,19 @@ def _spec_reward(score: Callable[[MotionVerdict, MotionSpec, int], float]) -> Re
     return reward
 
 
+@takes("videos")
 def motion_strict() -> RewardFn:
     """1.0 if every frame shows exactly the asked object and it moves in the asked direction, else 0.0."""
     return _verdict_reward(lambda v: float(v.strict))
 
 
+@takes("videos")
 def motion_direction() -> RewardFn:
     """1.0 if the subject is found in every frame and moves in the asked direction, else 0.0."""
     return _verdict_reward(lambda v: float(v.direction_ok))
 
 
+@takes("videos")
 def motion_direction_one_object() -> RewardFn:
     """1.0 if every frame shows exactly one object and it moves in the asked direction, else 0.0: what
     ``motion_direction`` asks without its loophole, a second blob beside the subject (the direction
@@ -57,11 +60,13 @@ def motion_direction_one_object() -> RewardFn:
     return _verdict_reward(lambda v: float(v.one_object_direction_ok))
 
 
+@takes("videos")
 def motion_partial() -> RewardFn:
     """Mean of colour, shape and direction sub-scores (see ``checker.MotionVerdict``): 0, 1/3, 2/3 or 1."""
     return _verdict_reward(lambda v: v.partial)
 
 
+@takes("videos")
 def motion_progress() -> RewardFn:
     """How far the subject went the asked way, in half frame sides, in [-1, 1] (``checker.progress_along``):
     graded credit where ``motion_direction`` gives 0 to a wrong sign and a wobbly right one alike."""
