@@ -14,15 +14,12 @@ The transformer has ``guidance_embeds=True`` (a guidance-distilled "dev" model):
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
-import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel
 
-from .tiny_parts import clip_text_config, kl_vae, t5_encoder, tokenizer_slots
-from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
+from .tiny_parts import clip_text_config, kl_vae, qwen2_tokenizer, save_pipeline, seeded, t5_encoder, tokenizer_slots
 
 __all__ = ["FLUX_MIN_IMAGE_SIZE", "build_tiny_flux"]
 
@@ -78,24 +75,11 @@ def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None 
     """Builds a random-weight ``FluxPipeline`` and saves it (float32 safetensors), bit-reproducibly:
     each component is created right after ``torch.manual_seed``. ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
-    out_dir = Path(out_dir)
-    with tempfile.TemporaryDirectory() as scratch:
-        if tokenizer_dir is None:
-            tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizers = tokenizer_slots(tokenizer_dir, {"tokenizer": _CLIP_MAX_LENGTH, "tokenizer_2": _T5_MAX_LENGTH})
-        with torch.device("cpu"):
-            torch.manual_seed(seed)
-            transformer = _transformer()
-            torch.manual_seed(seed)
-            vae = _vae()
-            torch.manual_seed(seed)
-            clip = _clip()
-            torch.manual_seed(seed)
-            t5 = t5_encoder(_T5_DIM)
         pipe = FluxPipeline(
-            scheduler=_scheduler(), vae=vae, text_encoder=clip, text_encoder_2=t5, transformer=transformer, **tokenizers
+            scheduler=_scheduler(), vae=seeded(seed, _vae), text_encoder=seeded(seed, _clip),
+            text_encoder_2=seeded(seed, lambda: t5_encoder(_T5_DIM)), transformer=seeded(seed, _transformer),
+            **tokenizers,
         )
-        pipe.save_pretrained(str(out_dir), safe_serialization=True)
-        for slot in tokenizers:
-            place_tokenizer_json(Path(tokenizer_dir), out_dir / slot)
-    return out_dir
+        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=tokenizers)

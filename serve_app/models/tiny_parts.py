@@ -1,21 +1,55 @@
-"""Parts the tiny SD3 and Flux checkpoints share: CLIP and T5 text encoders over the Qwen2 vocabulary,
-a small 2-D KL VAE, and the tokenizer slots (every slot holds the Qwen2 BPE tokenizer).
+"""Parts the tiny checkpoints share: the seeded build of a component, the scratch Qwen2 tokenizer and the
+save of a built pipeline; and, for SD3 and Flux, CLIP and T5 text encoders over the Qwen2 vocabulary, a
+small 2-D KL VAE, and the tokenizer slots (every slot holds the Qwen2 BPE tokenizer).
 
-Each part is built from its config alone; the builders seed torch right before calling one, so a
-build is bit-reproducible.
+Each part is built from its config alone, right after seeding torch (:func:`seeded`), so a build is
+bit-reproducible whatever was built before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
 
 from diffusers import AutoencoderKL
 from transformers import AutoTokenizer, CLIPTextConfig, T5Config, T5EncoderModel
 
-from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
+from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+
+T = TypeVar("T")
+
+
+def seeded(seed: int, build: Callable[[], T]) -> T:
+    """``build()`` on the CPU right after ``torch.manual_seed(seed)``."""
+    with torch.device("cpu"):
+        torch.manual_seed(seed)
+        return build()
+
+
+@contextlib.contextmanager
+def qwen2_tokenizer(tokenizer_dir: Path | None) -> Iterator[Path]:
+    """`tokenizer_dir` (a :func:`build_qwen2_tokenizer` output), or one built into a scratch folder that
+    lasts as long as the block (~3 s)."""
+    if tokenizer_dir is not None:
+        yield Path(tokenizer_dir)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        yield build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+
+
+def save_pipeline(pipe: Any, out_dir: Path, *, tokenizer_dir: Path, slots: Iterable[str]) -> Path:
+    """Save a built pipeline (float32 safetensors) and put the tokenizer's fast-tokenizer file in each slot."""
+    out_dir = Path(out_dir)
+    pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    for slot in slots:
+        place_tokenizer_json(tokenizer_dir, out_dir / slot)
+    return out_dir
 
 
 def clip_text_config(dim: int, *, layers: int, max_length: int, **extra: Any) -> CLIPTextConfig:

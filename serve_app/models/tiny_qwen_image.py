@@ -17,12 +17,10 @@ Image sizes: the pipeline floors height/width to a multiple of ``2 * vae_scale_f
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
@@ -31,7 +29,8 @@ from diffusers import (
 )
 from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID, build_qwen2_tokenizer, place_tokenizer_json
+from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded
+from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID
 
 __all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder", "qwen_image_transformer"]
 
@@ -219,33 +218,18 @@ def build_tiny_qwen_image(
     if size not in _SPECS:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
     spec = _SPECS[size]
-    out_dir = Path(out_dir)
-
-    with tempfile.TemporaryDirectory() as scratch:
-        if tokenizer_dir is None:
-            tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         if len(tokenizer) > _TEXT_VOCAB_SIZE:
             raise ValueError(
                 f"tokenizer in {tokenizer_dir} has {len(tokenizer)} ids, more than the "
                 f"{_TEXT_VOCAB_SIZE} rows of the text encoder's embedding"
             )
-
-        with torch.device("cpu"):
-            torch.manual_seed(seed)
-            transformer = _transformer(spec)
-            torch.manual_seed(seed)
-            vae = _vae(spec)
-            torch.manual_seed(seed)
-            text_encoder = _text_encoder(spec)
-
         pipe = QwenImagePipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-            vae=vae,
-            text_encoder=text_encoder,
+            vae=seeded(seed, lambda: _vae(spec)),
+            text_encoder=seeded(seed, lambda: _text_encoder(spec)),
             tokenizer=tokenizer,
-            transformer=transformer,
+            transformer=seeded(seed, lambda: _transformer(spec)),
         )
-        pipe.save_pretrained(str(out_dir), safe_serialization=True)
-        place_tokenizer_json(Path(tokenizer_dir), out_dir / "tokenizer")
-    return out_dir
+        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

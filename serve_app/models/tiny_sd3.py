@@ -19,15 +19,12 @@ size is 8x8; ``pos_embed_max_size`` caps it at 256x256.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
-import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextModelWithProjection
 
-from .tiny_parts import clip_text_config, kl_vae, t5_encoder, tokenizer_slots
-from .tokenizer import build_qwen2_tokenizer, place_tokenizer_json
+from .tiny_parts import clip_text_config, kl_vae, qwen2_tokenizer, save_pipeline, seeded, t5_encoder, tokenizer_slots
 
 __all__ = ["SD3_MIN_IMAGE_SIZE", "build_tiny_sd3"]
 
@@ -76,36 +73,17 @@ def build_tiny_sd3(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None =
     are bit-reproducible. ``tokenizer_dir`` is a :func:`build_qwen2_tokenizer` output;
     without it one is built (~3 s).
     """
-    out_dir = Path(out_dir)
-    with tempfile.TemporaryDirectory() as scratch:
-        if tokenizer_dir is None:
-            tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizers = tokenizer_slots(
             tokenizer_dir, {"tokenizer": _CLIP_MAX_LENGTH, "tokenizer_2": _CLIP_MAX_LENGTH, "tokenizer_3": _T5_MAX_LENGTH}
         )
-        with torch.device("cpu"):
-            torch.manual_seed(seed)
-            transformer = _transformer()
-            torch.manual_seed(seed)
-            vae = _vae()
-            # Distinct seeds so the two CLIP towers are not clones of each other.
-            torch.manual_seed(seed)
-            clip_l = _clip()
-            torch.manual_seed(seed + 1)
-            clip_g = _clip()
-            torch.manual_seed(seed)
-            t5 = t5_encoder(_T5_DIM)
-
         pipe = StableDiffusion3Pipeline(
-            transformer=transformer,
+            transformer=seeded(seed, _transformer),
             scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
-            vae=vae,
-            text_encoder=clip_l,
-            text_encoder_2=clip_g,
-            text_encoder_3=t5,
+            vae=seeded(seed, _vae),
+            text_encoder=seeded(seed, _clip),
+            text_encoder_2=seeded(seed + 1, _clip),  # another seed: the two CLIP towers are not clones
+            text_encoder_3=seeded(seed, lambda: t5_encoder(_T5_DIM)),
             **tokenizers,
         )
-        pipe.save_pretrained(str(out_dir), safe_serialization=True)
-        for slot in tokenizers:
-            place_tokenizer_json(Path(tokenizer_dir), out_dir / slot)
-    return out_dir
+        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=tokenizers)

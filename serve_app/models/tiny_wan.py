@@ -20,14 +20,13 @@ give 8x8 latents and, with the transformer's 1x2x2 patches, 16 tokens per latent
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
-import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded
+from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
 
 __all__ = ["build_tiny_wan"]
 
@@ -96,22 +95,11 @@ def build_tiny_wan(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None =
     """Builds a random-weight ``WanPipeline`` and saves it (float32 safetensors), bit-reproducibly:
     each component is created right after ``torch.manual_seed``. ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
-    out_dir = Path(out_dir)
-    with tempfile.TemporaryDirectory() as scratch:
-        if tokenizer_dir is None:
-            tokenizer_dir = build_qwen2_tokenizer(Path(scratch) / "tokenizer")
+    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         tokenizer.model_max_length = _MAX_LENGTH
-        with torch.device("cpu"):
-            torch.manual_seed(seed)
-            transformer = _transformer()
-            torch.manual_seed(seed)
-            vae = _vae()
-            torch.manual_seed(seed)
-            text_encoder = _text_encoder()
         pipe = WanPipeline(
-            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=_scheduler(), transformer=transformer
+            tokenizer=tokenizer, text_encoder=seeded(seed, _text_encoder), vae=seeded(seed, _vae),
+            scheduler=_scheduler(), transformer=seeded(seed, _transformer),
         )
-        pipe.save_pretrained(str(out_dir), safe_serialization=True)
-        place_tokenizer_json(Path(tokenizer_dir), out_dir / "tokenizer")
-    return out_dir
+        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

@@ -18,59 +18,35 @@ Mirrors the stock ``FluxPipeline.__call__`` (diffusers 0.42):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-from transformers import AutoTokenizer
 
-from serve_app.policies.base import PackedLatentPolicy, TextProcessor, rows_of
+from serve_app.policies.base import PackedLatentPolicy
+from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
 from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens
 
-CLIP_SLOT = "tokenizer"
-T5_SLOT = "tokenizer_2"
-TOKENIZER_SLOTS = (CLIP_SLOT, T5_SLOT)
-DEFAULT_CLIP_LENGTH = 77  # the stock pipeline's fallback without a tokenizer
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `max_sequence_length` (and its upper limit)
 DEFAULT_DISTILLED_GUIDANCE = 3.5  # the stock `guidance_scale`
 
 
-def _lengths(tokenizers: dict[str, Any]) -> tuple[int, int]:
-    clip = tokenizers.get(CLIP_SLOT)
-    t5 = tokenizers.get(T5_SLOT)
-    clip_length = int(clip.model_max_length) if clip is not None else DEFAULT_CLIP_LENGTH
-    t5_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, int(t5.model_max_length)) if t5 is not None else DEFAULT_MAX_SEQUENCE_LENGTH
-    return clip_length, t5_length
+class FluxTextProcessor(ClipT5TextProcessor):
+    """Two tokenizations per prompt: CLIP (pooled output only) and T5."""
+
+    family = "Flux"
+    clip_slots = ("tokenizer",)
+    t5_slot = "tokenizer_2"
+    t5_required = True
+    t5_default_length = 512  # the stock `max_sequence_length` (and its upper limit)
 
 
-class FluxTextProcessor(TextProcessor):
-    """Two tokenizations per prompt, padded and truncated as the stock pipeline feeds its encoders."""
-
-    def __init__(self, tokenizers: dict[str, Any]) -> None:
-        missing = [slot for slot in TOKENIZER_SLOTS if tokenizers.get(slot) is None]
-        if missing:
-            raise ValueError(f"Flux needs its CLIP and T5 tokenizers; missing: {', '.join(missing)}")
-        super().__init__(tokenizers)
-        self.clip_length, self.max_sequence_length = _lengths(tokenizers)
-
-    def format(self, prompt: str) -> str:
-        return prompt  # Flux has no prompt template
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        texts = [self.format(p) for p in prompts]
-        ids = {
-            slot: self._tokenizer(slot)(
-                texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
-            ).input_ids
-            for slot, length in ((CLIP_SLOT, self.clip_length), (T5_SLOT, self.max_sequence_length))
-        }
-        return rows_of(prompts, ids)
+CLIP_SLOT = FluxTextProcessor.clip_slots[0]
+T5_SLOT = FluxTextProcessor.t5_slot
 
 
-class FluxPolicy(PackedLatentPolicy):
+class FluxPolicy(ClipT5Tokenizers, PackedLatentPolicy):
     family = "flux"
     pipeline_class = FluxPipeline
     pipeline_class_names = ("FluxPipeline",)
@@ -84,23 +60,7 @@ class FluxPolicy(PackedLatentPolicy):
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
         return [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.vae]
 
-    def _tokenizers(self) -> dict[str, Any]:
-        return {slot: getattr(self.pipeline, slot, None) for slot in TOKENIZER_SLOTS}
-
-    def _make_text_processor(self) -> FluxTextProcessor:
-        return FluxTextProcessor(self._tokenizers())
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> FluxTextProcessor:
-        return FluxTextProcessor({
-            slot: AutoTokenizer.from_pretrained(str(Path(local_dir) / slot), local_files_only=True)
-            for slot in TOKENIZER_SLOTS
-        })
-
-    @property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
-        return _lengths(self._tokenizers())[1]
+    text_processor_class = FluxTextProcessor
 
     # -- geometry and schedule -------------------------------------------------------------
 
@@ -129,10 +89,10 @@ class FluxPolicy(PackedLatentPolicy):
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
         pipe = self.pipeline
-        missing = [slot for slot in TOKENIZER_SLOTS if any(slot not in p.token_ids for p in prompts)]
+        missing = [slot for slot in FluxTextProcessor.slots() if any(slot not in p.token_ids for p in prompts)]
         if missing or not prompts:
             raise ValueError(
-                f"Flux needs token ids for {', '.join(TOKENIZER_SLOTS)} (use the family's TextProcessor); "
+                f"Flux needs token ids for {', '.join(FluxTextProcessor.slots())} (use the family's TextProcessor); "
                 f"missing: {', '.join(missing) or 'prompts'}"
             )
         clip_ids = torch.stack([p.token_ids[CLIP_SLOT] for p in prompts]).to(self.device)

@@ -10,73 +10,31 @@ transformer, exactly as in the stock pipeline, so the tokenizer pads in full rat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-from transformers import AutoTokenizer
 
-from serve_app.policies.base import DiffusionPolicy, TextProcessor, rows_of
+from serve_app.policies.base import DiffusionPolicy
+from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-CLIP_SLOTS = ("tokenizer", "tokenizer_2")
-T5_SLOT = "tokenizer_3"
-TOKENIZER_SLOTS = (*CLIP_SLOTS, T5_SLOT)
-DEFAULT_CLIP_LENGTH = 77  # the stock pipeline's fallback when it has no tokenizer
-DEFAULT_MAX_SEQUENCE_LENGTH = 256  # the stock pipeline's default `max_sequence_length`
+class SD3TextProcessor(ClipT5TextProcessor):
+    """Three tokenizations per prompt: CLIP-L, CLIP-G and (when the pipeline has it) T5."""
+
+    family = "SD3"
+    clip_slots = ("tokenizer", "tokenizer_2")
+    t5_slot = "tokenizer_3"
+    t5_required = False
+    t5_default_length = 256
 
 
-def clip_length(tokenizers: dict[str, Any]) -> int:
-    """The stock pipeline's ``tokenizer_max_length``: the first CLIP tokenizer's limit, for both towers."""
-    tokenizer = tokenizers.get("tokenizer")
-    return int(tokenizer.model_max_length) if tokenizer is not None else DEFAULT_CLIP_LENGTH
+CLIP_SLOTS = SD3TextProcessor.clip_slots
+T5_SLOT = SD3TextProcessor.t5_slot
 
 
-def t5_length(tokenizers: dict[str, Any]) -> int:
-    """T5 tokens per prompt: the stock default (256), capped by the T5 tokenizer's own limit."""
-    tokenizer = tokenizers.get(T5_SLOT)
-    if tokenizer is None:
-        return DEFAULT_MAX_SEQUENCE_LENGTH
-    return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
-
-
-class SD3TextProcessor(TextProcessor):
-    """Three tokenizations per prompt, padded and truncated as the stock pipeline feeds its encoders."""
-
-    def __init__(self, tokenizers: dict[str, Any]) -> None:
-        missing = [slot for slot in CLIP_SLOTS if tokenizers.get(slot) is None]
-        if missing:
-            raise ValueError(f"SD3 needs its CLIP tokenizers; missing: {', '.join(missing)}")
-        present = {slot: tok for slot, tok in tokenizers.items() if tok is not None}
-        super().__init__(present)
-        self.clip_length = clip_length(present)
-        self.max_sequence_length = t5_length(present)
-
-    def format(self, prompt: str) -> str:
-        return prompt  # SD3 has no prompt template
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        texts = [self.format(p) for p in prompts]
-        ids: dict[str, torch.Tensor] = {}
-        for slot in CLIP_SLOTS:  # _get_clip_prompt_embeds
-            ids[slot] = self._tokenizer(slot)(
-                texts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
-            ).input_ids
-        if T5_SLOT in self._tokenizers:  # _get_t5_prompt_embeds
-            ids[T5_SLOT] = self._tokenizer(T5_SLOT)(
-                texts,
-                padding="max_length",
-                max_length=self.max_sequence_length,
-                truncation=True,
-                add_special_tokens=True,
-                return_tensors="pt",
-            ).input_ids
-        return rows_of(prompts, ids)
-
-
-class SD3Policy(DiffusionPolicy):
+class SD3Policy(ClipT5Tokenizers, DiffusionPolicy):
     family = "sd3"
     pipeline_class = StableDiffusion3Pipeline
     pipeline_class_names = ("StableDiffusion3Pipeline",)
@@ -87,26 +45,7 @@ class SD3Policy(DiffusionPolicy):
         encoders = [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3]
         return [m for m in encoders if m is not None] + [pipeline.vae]
 
-    def _tokenizers(self) -> dict[str, Any]:
-        return {slot: getattr(self.pipeline, slot, None) for slot in TOKENIZER_SLOTS}
-
-    def _make_text_processor(self) -> SD3TextProcessor:
-        return SD3TextProcessor(self._tokenizers())
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> SD3TextProcessor:
-        tokenizers: dict[str, Any] = {}
-        for slot in TOKENIZER_SLOTS:
-            folder = Path(local_dir) / slot
-            if slot == T5_SLOT and not folder.is_dir():
-                continue  # a pipeline saved without T5
-            tokenizers[slot] = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        return SD3TextProcessor(tokenizers)
-
-    @property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
-        return t5_length(self._tokenizers())
+    text_processor_class = SD3TextProcessor
 
     # -- geometry and schedule -------------------------------------------------------------
 
@@ -160,7 +99,7 @@ class SD3Policy(DiffusionPolicy):
         missing = [slot for slot in CLIP_SLOTS if any(slot not in p.token_ids for p in prompts)]
         if missing or not prompts:
             raise ValueError(
-                f"SD3 needs token ids for {', '.join(TOKENIZER_SLOTS)} (use the family's TextProcessor); "
+                f"SD3 needs token ids for {', '.join(SD3TextProcessor.slots())} (use the family's TextProcessor); "
                 f"missing: {', '.join(missing) or 'prompts'}"
             )
         clip_l, pooled_l = self._clip(pipe.text_encoder, torch.stack([p.token_ids["tokenizer"] for p in prompts]))
