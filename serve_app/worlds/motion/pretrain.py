@@ -13,7 +13,6 @@ Training videos come from the `train` split of the motion grammar only, so the `
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from serve_app.worlds.pretraining import EvalSettings, FlowPretrainSettings, eva
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
 from .scene import DIRECTIONS, FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
-from .text_encoder import grammar_accuracy, teach_grammar
 
 
 class MotionPretrainConfig(FlowPretrainSettings):
@@ -39,9 +37,6 @@ class MotionPretrainConfig(FlowPretrainSettings):
     scene_sides: tuple[int, ...] = Field((), description="Object sides in px; () draws them from the shapes world's SIZE_RANGE.")
     min_travel_frac: float = Field(MIN_TRAVEL_FRAC, gt=0, le=1, description="Least travel, as a fraction of the side.")
     scene_grid: int = Field(1, ge=1, description="Travel, start and cross position on multiples of this many px.")
-    text_pretrain_steps: int = Field(0, ge=0, description="Steps of text_encoder.teach_grammar on the train prompts "
-                                                          "before the video model trains (0: none).")
-    text_pretrain_lr: float = Field(3e-3, gt=0, description="Adam learning rate of those steps.")
     direction_follows_caption: float = Field(
         1.0, ge=0, le=1, description="Chance that a video moves the way its caption says; otherwise its direction is "
                                      "drawn from all four, so at 0 the captions say nothing about where things go.")
@@ -92,29 +87,17 @@ def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Pa
              prompts: Sequence[str] | None = None, shown: Sequence[MotionSpec] | None = None) -> list[dict]:
     """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation.
 
-    ``prompts`` replaces the train split everywhere (videos, the text encoder's grammar lessons and both
-    evaluation splits) and ``shown`` what their videos show (see VideoBatches): for probes of what the
-    model learns from which cue (benchmarks/probe_motion_sign.py)."""
+    ``prompts`` replaces the train split everywhere (videos and both evaluation splits) and ``shown``
+    what their videos show (see VideoBatches): for probes of what the model learns from which cue."""
     from serve_app.models import ensure_qwen2_tokenizer
     from serve_app.policies.wan import WanPolicy
 
     qwen2_dir = qwen2_dir or ensure_qwen2_tokenizer()
     batches = VideoBatches(config, prompts, shown)
-    splits = {split: eval_prompts(split) for split in ("train", "held_out")} if prompts is None else {"train": batches.prompts}
-
-    def build(where: Path):
-        pipe = build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed)
-        if config.text_pretrain_steps:
-            heads = teach_grammar(pipe.text_encoder, pipe.tokenizer, batches.prompts,
-                                  steps=config.text_pretrain_steps, lr=config.text_pretrain_lr, seed=config.seed)
-            log(json.dumps({"text_encoder_grammar_accuracy": {
-                split: grammar_accuracy(pipe.text_encoder, pipe.tokenizer, heads, split_prompts)
-                for split, split_prompts in splits.items()}}))
-        return pipe
 
     return pretrain_world(
         config, out_dir,
-        build=build,
+        build=lambda where: build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed),
         policy_class=WanPolicy,
         batches=batches,
         encode=lambda policy, videos: policy.encode_videos(videos),
