@@ -25,7 +25,7 @@ from serve_app.worlds.pretraining import EvalSettings, FlowPretrainSettings, eva
 
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
-from .scene import DIRECTIONS, FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
+from .scene import FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
 
 
 class MotionPretrainConfig(FlowPretrainSettings):
@@ -37,9 +37,6 @@ class MotionPretrainConfig(FlowPretrainSettings):
     scene_sides: tuple[int, ...] = Field((), description="Object sides in px; () draws them from the shapes world's SIZE_RANGE.")
     min_travel_frac: float = Field(MIN_TRAVEL_FRAC, gt=0, le=1, description="Least travel, as a fraction of the side.")
     scene_grid: int = Field(1, ge=1, description="Travel, start and cross position on multiples of this many px.")
-    direction_follows_caption: float = Field(
-        1.0, ge=0, le=1, description="Chance that a video moves the way its caption says; otherwise its direction is "
-                                     "drawn from all four, so at 0 the captions say nothing about where things go.")
 
 
 def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequence[str] = ()) -> MotionPretrainConfig:
@@ -63,16 +60,10 @@ class VideoBatches:
     def next(self) -> tuple[torch.Tensor, list[int]]:
         c = self.config
         picks = self.rng.integers(0, len(self.prompts), size=c.batch_size).tolist()
-        videos = np.stack([render(self._shown(i), self.rng, frames=c.num_frames, size=c.image_size,
+        videos = np.stack([render(self.specs[i], self.rng, frames=c.num_frames, size=c.image_size,
                                   sides=c.scene_sides, min_travel_frac=c.min_travel_frac, grid=c.scene_grid)
                            for i in picks])
         return torch.from_numpy(videos), picks
-
-    def _shown(self, index: int) -> MotionSpec:
-        spec, follows = self.specs[index], self.config.direction_follows_caption
-        if follows == 1.0 or self.rng.random() < follows:  # at 1 no draw: the stream stays as it was
-            return spec
-        return MotionSpec(spec.obj, str(self.rng.choice(list(DIRECTIONS))))
 
 
 def evaluate(policy, settings: EvalSettings, size: int, frames: int,
