@@ -139,24 +139,3 @@ def test_a_frozen_text_encoder_ships_as_built_while_the_transformer_trains(tmp_p
     built, trained = weights["built"], weights["trained"]
     assert all(torch.equal(built["text_encoder"][k], trained["text_encoder"][k]) for k in built["text_encoder"])
     assert not all(torch.equal(built["transformer"][k], trained["transformer"][k]) for k in built["transformer"])
-
-
-def test_a_probe_trains_and_evaluates_on_its_own_prompts_drawn_as_it_says(tmp_path, qwen2_dir):
-    from serve_app.worlds.motion.checker import check_video
-    from serve_app.worlds.motion.pretrain import VideoBatches
-    from serve_app.worlds.motion.scene import MotionSpec
-
-    prompts = ["a red circle moving left to right", "a blue square moving right to left"]
-    drawn = [MotionSpec.of("red", "circle", d) for d in ("left to right", "right to left")]
-    config = load_pretrain_config("motion/pretrain", [*MINIATURE, "batch_size=6"])
-    videos, picks = VideoBatches(config, prompts, drawn).next()
-    for video, pick in zip(videos.numpy(), picks):
-        verdict = check_video(video, drawn[pick])
-        assert verdict.strict, (prompts[pick], verdict.direction)  # a red circle, whatever the prompt names
-    with pytest.raises(ValueError, match="1 videos shown for 2 prompts"):
-        VideoBatches(config, prompts, drawn[:1])
-
-    config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=2", "eval.every=0"])
-    entries = pretrain(config, tmp_path / "probe", qwen2_dir=qwen2_dir, log=lambda line: None, prompts=prompts,
-                       shown=drawn)
-    assert entries[-1]["eval"]["train"] == entries[-1]["eval"]["held_out"]  # both splits are the probe's prompts

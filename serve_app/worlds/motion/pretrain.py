@@ -25,7 +25,7 @@ from serve_app.worlds.pretraining import EvalSettings, FlowPretrainSettings, eva
 
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
-from .scene import FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
+from .scene import FRAMES, MIN_TRAVEL_FRAC, parse_prompt, render
 
 
 class MotionPretrainConfig(FlowPretrainSettings):
@@ -45,16 +45,12 @@ def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequen
 
 
 class VideoBatches:
-    """An endless, seeded stream of (uint8 videos [B, F, 3, S, S], prompt indices) of ``prompts`` (default:
-    the train split); ``shown[i]`` is what the videos of ``prompts[i]`` show (default: what it asks)."""
+    """An endless, seeded stream of (uint8 videos [B, F, 3, S, S], prompt indices) of the train prompts."""
 
-    def __init__(self, config: MotionPretrainConfig, prompts: Sequence[str] | None = None,
-                 shown: Sequence[MotionSpec] | None = None) -> None:
+    def __init__(self, config: MotionPretrainConfig) -> None:
         self.rng = np.random.default_rng(config.seed)
-        self.prompts = list(eval_prompts("train") if prompts is None else prompts)
-        self.specs = [parse_prompt(p) for p in self.prompts] if shown is None else list(shown)
-        if len(self.specs) != len(self.prompts):
-            raise ValueError(f"{len(self.specs)} videos shown for {len(self.prompts)} prompts")
+        self.prompts = eval_prompts("train")
+        self.specs = [parse_prompt(p) for p in self.prompts]
         self.config = config
 
     def next(self) -> tuple[torch.Tensor, list[int]]:
@@ -66,33 +62,24 @@ class VideoBatches:
         return torch.from_numpy(videos), picks
 
 
-def evaluate(policy, settings: EvalSettings, size: int, frames: int,
-             prompts: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
-    """ODE samples of the train and held-out prompts (both ``prompts`` when given) with fixed seeds,
-    scored by the motion checker."""
-    prompts_of = eval_prompts if prompts is None else (lambda split: list(prompts))
-    return evaluate_splits(policy, settings, prompts_of, score_videos, size=size, num_frames=frames)
+def evaluate(policy, settings: EvalSettings, size: int, frames: int) -> dict[str, dict[str, float]]:
+    """ODE samples of the train and held-out prompts with fixed seeds, scored by the motion checker."""
+    return evaluate_splits(policy, settings, eval_prompts, score_videos, size=size, num_frames=frames)
 
 
-def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | None = None, log=print,
-             prompts: Sequence[str] | None = None, shown: Sequence[MotionSpec] | None = None) -> list[dict]:
-    """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation.
-
-    ``prompts`` replaces the train split everywhere (videos and both evaluation splits) and ``shown``
-    what their videos show (see VideoBatches): for probes of what the model learns from which cue."""
+def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | None = None, log=print) -> list[dict]:
+    """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation."""
     from serve_app.models import ensure_qwen2_tokenizer
     from serve_app.policies.wan import WanPolicy
 
     qwen2_dir = qwen2_dir or ensure_qwen2_tokenizer()
-    batches = VideoBatches(config, prompts, shown)
-
     return pretrain_world(
         config, out_dir,
         build=lambda where: build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed),
         policy_class=WanPolicy,
-        batches=batches,
+        batches=VideoBatches(config),
         encode=lambda policy, videos: policy.encode_videos(videos),
-        evaluate=lambda policy: evaluate(policy, config.eval, config.image_size, config.num_frames, prompts),
+        evaluate=lambda policy: evaluate(policy, config.eval, config.image_size, config.num_frames),
         size=config.image_size, log=log,
     )
 
