@@ -32,7 +32,7 @@ from serve_app.schemas import PromptEmbeds, PromptTokens
 from serve_app.trainer.ema import EMAModel, averaged_weights
 
 __all__ = ["EvalSettings", "FlowPretrainSettings", "evaluate_splits", "ode_samples", "pretrain_flow_model", "pretrain_main",
-           "pretrain_world", "prompt_reliance", "rectified_flow_loss", "save_checkpoint"]
+           "pretrain_world", "rectified_flow_loss", "save_checkpoint"]
 
 
 class EvalSettings(Section):
@@ -74,23 +74,6 @@ def rectified_flow_loss(policy, latents: torch.Tensor, cond: PromptEmbeds, *, si
     noisy = (1.0 - s) * latents + s * noise
     predicted = policy.predict(noisy, sigmas, cond, height=height, width=width).float()
     return torch.nn.functional.mse_loss(predicted, noise - latents)
-
-
-@torch.no_grad()
-def prompt_reliance(policy, latents: torch.Tensor, prompts: Sequence[PromptTokens], swapped: Sequence[PromptTokens], *,
-                    sigmas: Sequence[float], size: int, seed: int = 0) -> dict[str, dict[str, float]]:
-    """How much the model needs the prompt: at each sigma, the rectified-flow loss of ``latents`` with
-    their own ``prompts`` and with ``swapped`` ones (the same noise), and swapped over own. A ratio of 1
-    says the prediction ignores whatever tells the two prompts apart."""
-    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed))
-    own, other = policy.embed_prompts(list(prompts)), policy.embed_prompts(list(swapped))
-    found = {}
-    for sigma in sigmas:
-        at = torch.full((len(latents),), float(sigma))
-        losses = [float(rectified_flow_loss(policy, latents, cond, sigmas=at, noise=noise, height=size, width=size))
-                  for cond in (own, other)]
-        found[f"{sigma:g}"] = {"own_prompt": losses[0], "swapped_prompt": losses[1], "ratio": losses[1] / losses[0]}
-    return found
 
 
 def pretrain_flow_model(

@@ -57,24 +57,3 @@ def test_noise_zero_reproduces_the_stock_wan_pipeline(policy, ode_sample):
     video, _ = ode_sample(policy, prompt, params, latents, generators)
     assert video.shape == stock.shape == (1, 4, 3, 32, 32)
     torch.testing.assert_close(video, stock, atol=5e-5, rtol=0)
-
-
-def test_the_shipped_model_reads_the_colour_and_the_sign_and_prompt_reliance_is_one_for_its_own_prompt(policy):
-    from serve_app.worlds.motion.pretrain import VideoBatches, load_pretrain_config
-    from serve_app.worlds.pretraining import prompt_reliance
-
-    own, blue, other_way = ("a red circle moving left to right", "a blue circle moving left to right",
-                            "a red circle moving right to left")
-    config = load_pretrain_config("motion/pretrain", ["batch_size=16", "seed=7"])
-    videos, picks = VideoBatches(config, [own]).next()
-    latents = policy.encode_videos(videos.float() / 255.0)
-    tokens = policy.text_processor().tokenize([own, blue, other_way])
-    same = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[0]] * 16, sigmas=(0.75,), size=32)
-    assert same["0.75"]["ratio"] == 1.0
-    # The same red circles said to be blue: measured x8.0 (x7.9-8.0 over seeds 7-9; x7.2 over 64 videos).
-    swapped = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[1]] * 16, sigmas=(0.75,), size=32)
-    assert swapped["0.75"]["ratio"] > 3
-    # Said to go the other way: measured x1.70 (x1.61-1.74 over seeds 7-9). The one-frame checkpoint
-    # before it, whose tokens held one frame each, gave x1.000: it ignored the words for the sign.
-    reversed_ = prompt_reliance(policy, latents, [tokens[0]] * 16, [tokens[2]] * 16, sigmas=(0.75,), size=32)
-    assert reversed_["0.75"]["ratio"] > 1.2

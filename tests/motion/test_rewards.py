@@ -59,20 +59,3 @@ def test_one_object_direction_reward_closes_the_second_blob_loophole(add_second_
     assert one_object.tolist() == [1.0, 0.0, 0.0]
     components = load_config("motion_rollout").reward.components
     assert [c.name.rsplit(":", 1)[1] for c in components] == ["motion_direction_one_object", "motion_partial"]
-
-
-def test_progress_reward_grades_how_far_the_subject_went_the_asked_way():
-    from serve_app.worlds.motion.checker import progress_along
-
-    track = np.array([[10.0, 4.0], [10.0, 8.0], [11.0, 12.0]])  # (y, x): 8 px right, 1 px down
-    assert progress_along(track, "left to right", 32) == 0.5
-    assert progress_along(track, "right to left", 32) == -0.5
-    assert progress_along(track, "top to bottom", 32) == 1 / 16
-    assert progress_along(track * 4, "left to right", 32) == 1.0  # clipped
-    assert progress_along(None, "left to right", 32) == 0.0  # the subject lost in a frame
-
-    videos = videos_of("red circle left to right", "red circle right to left", "blue square left to right")
-    asked = ["a red circle moving left to right"] * 3
-    progress = build_reward("serve_app.worlds.motion.rewards:motion_progress")(videos, asked)
-    assert progress.dtype == torch.float32
-    assert progress[0] > 0.4 and progress[1] < -0.4 and progress[2] > 0.4  # rendered travel: >= 8 px of 32

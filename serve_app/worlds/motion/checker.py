@@ -109,18 +109,6 @@ def subject_track(frames: tuple[Verdict, ...]) -> np.ndarray | None:
     return np.array(centres, dtype=np.float64)
 
 
-def progress_along(track: np.ndarray | None, direction: str, size: int) -> float:
-    """How far a [F, 2] (y, x) track went ``direction`` from its first frame to its last, in half frame
-    sides, clipped to [-1, 1]: 1 for half the side or more (the pretraining videos travel 16 or 20 px of
-    32), negative the opposite way, 0 for a subject lost in a frame.
-    Unlike ``direction_of`` it ignores the path's shape: a wobbly or slanted path still earns the part
-    that went the asked way."""
-    if track is None:
-        return 0.0
-    unit = np.array(DIRECTIONS[direction], dtype=np.float64)
-    return float(np.clip((track[-1] - track[0]) @ unit / (size / 2), -1.0, 1.0))
-
-
 def direction_of(track: np.ndarray, size: int, params: MotionParams = DEFAULT_PARAMS) -> str:
     """The direction of a [F, 2] (y, x) track in a frame of ``size`` px (see the module's docstring)."""
     net = track[-1] - track[0]
@@ -139,4 +127,4 @@ def direction_of(track: np.ndarray, size: int, params: MotionParams = DEFAULT_PA
 
 
 __all__ = ["DEFAULT_PARAMS", "STATIC", "UNKNOWN", "MotionParams", "MotionVerdict", "check_video", "direction_of",
-           "progress_along", "subject_track"]
+           "subject_track"]

@@ -1,6 +1,6 @@
 """Moving-shapes evaluation: fixed prompt x seed sets, accuracies from the motion checker, filmstrips.
 
-Computed here once for pretraining, the FlowGRPO trainer (``MotionEvaluator``) and benchmarks. The
+Computed here once for pretraining and the FlowGRPO trainer (``MotionEvaluator``). The
 headline is direction accuracy (the subject found in every frame and moving the asked way);
 one-object direction accuracy also needs exactly one object in every frame, and strict accuracy every
 frame to show just the asked shape in the asked colour. Intervals are the
@@ -9,7 +9,6 @@ shapes world's (serve_app.worlds.shapes.evaluation): Wilson per accuracy, a boot
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve_app.worlds.pretraining import EvalSettings, ode_samples
 from serve_app.worlds.shapes.evaluation import ShapesEvaluator, accuracy_intervals, plot_accuracy
 from serve_app.trainer.evaluation import SplitScores
 
@@ -74,22 +72,6 @@ def means(per_sample: dict[str, list[float]]) -> dict[str, float]:
 def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, float]:
     """Mean of every EVAL_COLUMNS figure over the videos."""
     return means(per_video(verdicts(videos, prompts)))
-
-
-def ode_verdicts(policy, prompts: Sequence[str], settings: EvalSettings, *, size: int = 32,
-                 frames: int = 4) -> tuple[list[str], list[MotionVerdict]]:
-    """``pretraining.ode_samples`` of every prompt, checked: each sample's prompt and verdict."""
-    with torch.inference_mode():
-        videos, sampled = ode_samples(policy, prompts, settings, size=size, num_frames=frames)
-    return sampled, verdicts(videos, sampled)
-
-
-def where_they_went(prompts: Sequence[str], found: Sequence[MotionVerdict]) -> dict[str, dict[str, int]]:
-    """For each asked direction (in the order first asked), how many videos went each way, most first."""
-    went: dict[str, Counter] = {}
-    for prompt, verdict in zip(prompts, found):
-        went.setdefault(parse_prompt(prompt).direction, Counter())[verdict.direction] += 1
-    return {asked: dict(counts.most_common()) for asked, counts in went.items()}
 
 
 def word_order_gap(policy, subject: str = "red circle") -> float:

@@ -65,16 +65,13 @@ def _vocabulary_texts() -> list[str]:
 
 
 def attend_to_neighbours(text_encoder: UMT5EncoderModel, bias: float) -> None:
-    """In every layer, head 0 starts out attending to the previous word and head 1 to the next.
+    """In every layer, head 0 starts out attending to the previous word and head 1 to the next: ``bias`` is
+    written into their relative-position bias at the neighbour's bucket (0 keeps UMT5's random init).
 
-    Wan's cross-attention sees the prompt as a set of vectors (no positions), so word order reaches the
-    transformer only through the text encoder. From UMT5's random init (biases of std ~0.1, attention
-    nearly uniform) 4000 pretraining steps with the encoder training along did not learn it: "... left to
-    right" lay 0.004 as far from "... right to left" as from "... top to bottom"
-    (``evaluation.word_order_gap``), and the model drew the asked axis with either sign. A bias on the
-    neighbour's bucket makes each word's vector depend on the word before / after it from the first step
-    (0.8 after pretraining with the text encoder frozen, as the shipped model is); the checkpoint README
-    has what that changed.
+    Wan's cross-attention sees the prompt as a set of vectors (no positions), so word order ("left to
+    right" vs "right to left") reaches the transformer only through the text encoder. With the bias each
+    word's vector depends on the word before / after it from the first step
+    (``evaluation.word_order_gap`` measures how far apart the two orders land).
     """
     if bias == 0:
         return

@@ -13,7 +13,6 @@ Training videos come from the `train` split of the motion grammar only, so the `
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,8 +25,7 @@ from serve_app.worlds.pretraining import EvalSettings, FlowPretrainSettings, eva
 
 from .evaluation import eval_prompts, score_videos
 from .model import MotionModelSpec, build_motion_wan
-from .scene import DIRECTIONS, FRAMES, MIN_TRAVEL_FRAC, MotionSpec, parse_prompt, render
-from .text_encoder import grammar_accuracy, teach_grammar
+from .scene import FRAMES, MIN_TRAVEL_FRAC, parse_prompt, render
 
 
 class MotionPretrainConfig(FlowPretrainSettings):
@@ -39,12 +37,6 @@ class MotionPretrainConfig(FlowPretrainSettings):
     scene_sides: tuple[int, ...] = Field((), description="Object sides in px; () draws them from the shapes world's SIZE_RANGE.")
     min_travel_frac: float = Field(MIN_TRAVEL_FRAC, gt=0, le=1, description="Least travel, as a fraction of the side.")
     scene_grid: int = Field(1, ge=1, description="Travel, start and cross position on multiples of this many px.")
-    text_pretrain_steps: int = Field(0, ge=0, description="Steps of text_encoder.teach_grammar on the train prompts "
-                                                          "before the video model trains (0: none).")
-    text_pretrain_lr: float = Field(3e-3, gt=0, description="Adam learning rate of those steps.")
-    direction_follows_caption: float = Field(
-        1.0, ge=0, le=1, description="Chance that a video moves the way its caption says; otherwise its direction is "
-                                     "drawn from all four, so at 0 the captions say nothing about where things go.")
 
 
 def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequence[str] = ()) -> MotionPretrainConfig:
@@ -53,72 +45,41 @@ def load_pretrain_config(name: str | Path = "motion/pretrain", overrides: Sequen
 
 
 class VideoBatches:
-    """An endless, seeded stream of (uint8 videos [B, F, 3, S, S], prompt indices) of ``prompts`` (default:
-    the train split); ``shown[i]`` is what the videos of ``prompts[i]`` show (default: what it asks)."""
+    """An endless, seeded stream of (uint8 videos [B, F, 3, S, S], prompt indices) of the train prompts."""
 
-    def __init__(self, config: MotionPretrainConfig, prompts: Sequence[str] | None = None,
-                 shown: Sequence[MotionSpec] | None = None) -> None:
+    def __init__(self, config: MotionPretrainConfig) -> None:
         self.rng = np.random.default_rng(config.seed)
-        self.prompts = list(eval_prompts("train") if prompts is None else prompts)
-        self.specs = [parse_prompt(p) for p in self.prompts] if shown is None else list(shown)
-        if len(self.specs) != len(self.prompts):
-            raise ValueError(f"{len(self.specs)} videos shown for {len(self.prompts)} prompts")
+        self.prompts = eval_prompts("train")
+        self.specs = [parse_prompt(p) for p in self.prompts]
         self.config = config
 
     def next(self) -> tuple[torch.Tensor, list[int]]:
         c = self.config
         picks = self.rng.integers(0, len(self.prompts), size=c.batch_size).tolist()
-        videos = np.stack([render(self._shown(i), self.rng, frames=c.num_frames, size=c.image_size,
+        videos = np.stack([render(self.specs[i], self.rng, frames=c.num_frames, size=c.image_size,
                                   sides=c.scene_sides, min_travel_frac=c.min_travel_frac, grid=c.scene_grid)
                            for i in picks])
         return torch.from_numpy(videos), picks
 
-    def _shown(self, index: int) -> MotionSpec:
-        spec, follows = self.specs[index], self.config.direction_follows_caption
-        if follows == 1.0 or self.rng.random() < follows:  # at 1 no draw: the stream stays as it was
-            return spec
-        return MotionSpec(spec.obj, str(self.rng.choice(list(DIRECTIONS))))
+
+def evaluate(policy, settings: EvalSettings, size: int, frames: int) -> dict[str, dict[str, float]]:
+    """ODE samples of the train and held-out prompts with fixed seeds, scored by the motion checker."""
+    return evaluate_splits(policy, settings, eval_prompts, score_videos, size=size, num_frames=frames)
 
 
-def evaluate(policy, settings: EvalSettings, size: int, frames: int,
-             prompts: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
-    """ODE samples of the train and held-out prompts (both ``prompts`` when given) with fixed seeds,
-    scored by the motion checker."""
-    prompts_of = eval_prompts if prompts is None else (lambda split: list(prompts))
-    return evaluate_splits(policy, settings, prompts_of, score_videos, size=size, num_frames=frames)
-
-
-def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | None = None, log=print,
-             prompts: Sequence[str] | None = None, shown: Sequence[MotionSpec] | None = None) -> list[dict]:
-    """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation.
-
-    ``prompts`` replaces the train split everywhere (videos, the text encoder's grammar lessons and both
-    evaluation splits) and ``shown`` what their videos show (see VideoBatches): for probes of what the
-    model learns from which cue (benchmarks/probe_motion_sign.py)."""
+def pretrain(config: MotionPretrainConfig, out_dir: str | Path, *, qwen2_dir: Path | None = None, log=print) -> list[dict]:
+    """Build the untrained pipeline, train it, save the (EMA) weights to out_dir at every evaluation."""
     from serve_app.models import ensure_qwen2_tokenizer
     from serve_app.policies.wan import WanPolicy
 
     qwen2_dir = qwen2_dir or ensure_qwen2_tokenizer()
-    batches = VideoBatches(config, prompts, shown)
-    splits = {split: eval_prompts(split) for split in ("train", "held_out")} if prompts is None else {"train": batches.prompts}
-
-    def build(where: Path):
-        pipe = build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed)
-        if config.text_pretrain_steps:
-            heads = teach_grammar(pipe.text_encoder, pipe.tokenizer, batches.prompts,
-                                  steps=config.text_pretrain_steps, lr=config.text_pretrain_lr, seed=config.seed)
-            log(json.dumps({"text_encoder_grammar_accuracy": {
-                split: grammar_accuracy(pipe.text_encoder, pipe.tokenizer, heads, split_prompts)
-                for split, split_prompts in splits.items()}}))
-        return pipe
-
     return pretrain_world(
         config, out_dir,
-        build=build,
+        build=lambda where: build_motion_wan(where, config.model, qwen2_dir=qwen2_dir, seed=config.seed),
         policy_class=WanPolicy,
-        batches=batches,
+        batches=VideoBatches(config),
         encode=lambda policy, videos: policy.encode_videos(videos),
-        evaluate=lambda policy: evaluate(policy, config.eval, config.image_size, config.num_frames, prompts),
+        evaluate=lambda policy: evaluate(policy, config.eval, config.image_size, config.num_frames),
         size=config.image_size, log=log,
     )
 

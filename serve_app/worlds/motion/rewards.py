@@ -6,11 +6,9 @@ named by import path in a reward config (configs/reward/motion.yaml, motion_dire
 moves the asked way, else 0.0), ``serve_app.worlds.motion.rewards:motion_direction`` (1.0 when the subject is
 found in every frame and moves the asked way, whatever it looks like),
 ``serve_app.worlds.motion.rewards:motion_direction_one_object`` (the same, and every frame shows exactly one
-object),
-``serve_app.worlds.motion.rewards:motion_partial`` (``MotionVerdict.partial``: mean of the colour, shape and
-direction sub-scores) and ``serve_app.worlds.motion.rewards:motion_progress`` (how far the subject went the asked
-way, in half frame sides, in [-1, 1]). A prompt outside the grammar raises ValueError:
-it is a configuration error, not a low score.
+object) and ``serve_app.worlds.motion.rewards:motion_partial`` (``MotionVerdict.partial``: mean of the colour,
+shape and direction sub-scores). A prompt outside the grammar raises ValueError: it is a configuration
+error, not a low score.
 """
 
 from __future__ import annotations
@@ -21,21 +19,16 @@ import torch
 
 from serve_app.rewards.registry import RewardFn, takes
 from serve_app.rewards.video import check_video_batch
-from .checker import MotionVerdict, check_video, progress_along
-from .scene import MotionSpec, parse_prompt
+from .checker import MotionVerdict, check_video
+from .scene import parse_prompt
 
 
 def _verdict_reward(score: Callable[[MotionVerdict], float]) -> RewardFn:
-    return _spec_reward(lambda verdict, spec, size: score(verdict))
-
-
-def _spec_reward(score: Callable[[MotionVerdict, MotionSpec, int], float]) -> RewardFn:
     def reward(videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         check_video_batch(videos, prompts)
         specs = [parse_prompt(p) for p in prompts]  # all parsed first: fail before any work
         arrays = videos.detach().cpu().numpy()
-        return torch.tensor([score(check_video(a, s), s, min(a.shape[2:])) for a, s in zip(arrays, specs)],
-                            dtype=torch.float32)
+        return torch.tensor([score(check_video(a, s)) for a, s in zip(arrays, specs)], dtype=torch.float32)
 
     return reward
 
@@ -64,10 +57,3 @@ def motion_direction_one_object() -> RewardFn:
 def motion_partial() -> RewardFn:
     """Mean of colour, shape and direction sub-scores (see ``checker.MotionVerdict``): 0, 1/3, 2/3 or 1."""
     return _verdict_reward(lambda v: v.partial)
-
-
-@takes("videos")
-def motion_progress() -> RewardFn:
-    """How far the subject went the asked way, in half frame sides, in [-1, 1] (``checker.progress_along``):
-    graded credit where ``motion_direction`` gives 0 to a wrong sign and a wobbly right one alike."""
-    return _spec_reward(lambda verdict, spec, size: progress_along(verdict.track, spec.direction, size))
