@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from serve_app.config import ConfigError, load_config
+from serve_app.retry import RetryPolicy
 from serve_app.serving.options import OptionConflictError, check_running_options, deployment_options
 
 APP = "flowgrpo-multinode"
