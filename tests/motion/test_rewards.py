@@ -33,7 +33,7 @@ def test_motion_rewards_reject_images_and_prompts_outside_the_grammar():
 
 
 def test_motion_reward_config_weights_strict_and_partial():
-    components = load_config("diffusion_rollout", ["reward=motion"]).reward.components
+    components = load_config("motion_rollout", ["reward=motion"]).reward.components
     assert [(c.name, c.weight) for c in components] == [(STRICT, 1.0), (PARTIAL, 0.5)]
     composite = CompositeReward(components)  # builds both from the config
     assert composite.keys == ("motion_strict", "motion_partial")
