@@ -62,7 +62,8 @@ class Evaluator(abc.ABC):
 
     `columns` are the metrics `score` adds to eval.csv; `headline` is the column summaries and grid
     titles report (`eval_reward_mean`, which every row has, unless the evaluator says otherwise);
-    `paired` evaluators give the headline per image, for its change against the first evaluation.
+    `paired` evaluators give the headline per image, for its change against the first evaluation (for
+    `eval_reward_mean` the rollout's per-image rewards are taken when `score` gives none).
     """
 
     columns: ClassVar[tuple[str, ...]] = ()
@@ -113,7 +114,10 @@ class Evaluator(abc.ABC):
 
 
 class RewardEvaluator(Evaluator):
-    """The configured reward on `prompts` (default: the first step's trainer prompts)."""
+    """The configured reward on `prompts` (default: the first step's trainer prompts), with its paired change
+    against the first evaluation."""
+
+    paired = True
 
     def __init__(self, config: TrainerRunConfig, *, prompts: list[str] | None = None) -> None:
         self._prompts = list(prompts or config.trainer.prompts[: config.trainer.prompts_per_step])
@@ -219,7 +223,10 @@ class RunEvaluator:
         scores = self.evaluator.score(images, prompts)
         row.update(scores.metrics)
         if self.evaluator.paired:
-            row.update(self._paired_change(split, step, prompts, batch.trajectory.seeds.tolist(), scores.per_image))
+            per_image = scores.per_image
+            if per_image is None and self.evaluator.headline == "eval_reward_mean":
+                per_image = batch.rewards[TOTAL_KEY].tolist()  # the headline is the reward: each image's own
+            row.update(self._paired_change(split, step, prompts, batch.trajectory.seeds.tolist(), per_image))
         shown = min(self.settings.grid_samples, per_prompt)
         keep = [i for i in range(len(prompts)) if i % per_prompt < shown]
         headline = self.evaluator.headline
