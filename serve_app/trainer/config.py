@@ -109,9 +109,9 @@ class TrainerSection(Section):
     max_staleness: int = Field(
         0, ge=0,
         description="Rollouts kept in flight while the trainer updates; a batch is used at most this many updates "
-        "after the version it was sampled with (older ones are dropped and counted). 0 = strict on-policy. The "
-        "trainer keeps the trainable tensors of the last max_staleness + 1 versions (on the CPU) for the mismatch "
-        "check.",
+        "after the version it was sampled with (older ones are dropped and counted). 0 = strict on-policy. Above 0 "
+        "the trainer keeps the trainable tensors of the last max_staleness + 1 versions on the CPU (the adapter; the "
+        "whole transformer without LoRA), to replay each batch with its own version's weights (trainer.mismatch).",
     )
     onpolicy_tolerance: float = Field(
         1e-4, gt=0, description="Largest |ratio - 1| accepted before the first optimizer step of a rollout."

@@ -27,9 +27,9 @@ class TrainableTransformer:
     """Owns the trainable part of a policy's transformer, the reference policy for the KL term and the
     trainable tensors of the last `keep_versions` published versions."""
 
-    def __init__(self, policy: DiffusionPolicy, lora: LoraSection, *, keep_versions: int = 1) -> None:
-        if keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1; got {keep_versions}")
+    def __init__(self, policy: DiffusionPolicy, lora: LoraSection, *, keep_versions: int = 0) -> None:
+        if keep_versions < 0:
+            raise ValueError(f"keep_versions must be >= 0; got {keep_versions}")
         self.policy = policy
         self.lora = lora
         self.keep_versions = keep_versions
@@ -86,7 +86,9 @@ class TrainableTransformer:
 
     def keep_version(self, version: int) -> None:
         """Keep the trainable tensors as they are now as `version`'s (on the CPU; under fsdp this rank's shards),
-        for `at_version`; only the newest `keep_versions` versions stay."""
+        for `at_version`; only the newest `keep_versions` versions stay (none when it is 0)."""
+        if not self.keep_versions:
+            return
         self._versions[version] = self._local_state()
         while len(self._versions) > self.keep_versions:
             del self._versions[next(iter(self._versions))]

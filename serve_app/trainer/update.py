@@ -76,8 +76,10 @@ class PolicyUpdate:
         self.policy = policy
         self.parallel = parallel
         self.history = history
-        # The trainable tensors of the versions a batch may still come from: this one and max_staleness before it.
-        self.model = TrainableTransformer(policy, cfg.lora, keep_versions=cfg.max_staleness + 1)
+        # The trainable tensors of the versions a batch may still come from: this one and max_staleness before it
+        # (none at max_staleness 0: every batch then comes from the weights the trainer holds).
+        keep = cfg.max_staleness + 1 if cfg.max_staleness else 0
+        self.model = TrainableTransformer(policy, cfg.lora, keep_versions=keep)
         parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.mismatch = MismatchMonitor(**cfg.mismatch.model_dump())  # rollout-vs-replay, every step
