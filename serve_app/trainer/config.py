@@ -11,7 +11,7 @@ the deployments (advantages, rewards, resources) take effect where the app is de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -46,18 +46,27 @@ class EvaluationSection(Section):
 
 
 class MismatchSection(Section):
-    """The rollout-vs-replay mismatch monitor and truncated importance sampling (serve_app.trainer.mismatch)."""
+    """The rollout-vs-replay mismatch check and truncated importance sampling (serve_app.trainer.mismatch)."""
 
     max_abs_log_ratio: float = Field(
         1e-5, gt=0,
-        description="Bound on |log pi_trainer - log pi_rollout| of any transition at the first replay (fp32 engines: "
+        description="Bound on |log pi_behaviour_replay - log pi_rollout| of any checked transition: every step, a "
+        "sample of the batch is replayed (no grad) with the weights of the version that sampled it (fp32 engines: "
         "0 to ~1e-7; velocities rounded to bf16 in rollout: 6e-5 to 9e-5 on the tiny models).",
     )
-    action: Literal["warn", "stop"] = Field("warn", description="Above the bound: log a warning, or stop training.")
+    action: Literal["warn", "stop"] = Field(
+        "warn", description="Above the bound: log a warning, or stop training before the step's optimizer step."
+    )
+    check_groups: Annotated[int, Field(ge=1)] | Literal["all"] = Field(
+        1,
+        description="Whole groups (prompts) of each rank's batch the check replays every step, drawn with the "
+        "step's seed; 'all' replays every row. With tis_cap every row is replayed anyway.",
+    )
     tis_cap: float | None = Field(
         None, gt=0,
-        description="Truncated importance sampling for an engine known to differ (bf16, other kernels): weight each "
-        "transition's loss by min(exp(logp_trainer_old - logp_rollout), tis_cap); None = off.",
+        description="Truncated importance sampling for an engine known to differ (bf16, other kernels): the check "
+        "replays every row, its log-probs become the old log-probs of the clipped ratio, and each transition's "
+        "loss is weighted by min(exp(logp_trainer_old - logp_rollout), tis_cap); None = off.",
     )
 
 
@@ -100,7 +109,9 @@ class TrainerSection(Section):
     max_staleness: int = Field(
         0, ge=0,
         description="Rollouts kept in flight while the trainer updates; a batch is used at most this many updates "
-        "after the version it was sampled with (older ones are dropped and counted). 0 = strict on-policy.",
+        "after the version it was sampled with (older ones are dropped and counted). 0 = strict on-policy. Above 0 "
+        "the trainer keeps the trainable tensors of the last max_staleness + 1 versions on the CPU (the adapter; the "
+        "whole transformer without LoRA), to replay each batch with its own version's weights (trainer.mismatch).",
     )
     onpolicy_tolerance: float = Field(
         1e-4, gt=0, description="Largest |ratio - 1| accepted before the first optimizer step of a rollout."

@@ -8,8 +8,11 @@ import path in `trainer.evaluation.evaluator` and built with `trainer.evaluation
 ``serve_app.worlds.shapes.evaluation:ShapesEvaluator``.
 
 An evaluator that is `paired` gives its headline per image; every evaluation then also reports the
-change of the headline against the split's first evaluation (step 0) on the same prompts and seeds,
-with a paired bootstrap interval over images (`<headline>_change`, `_lo`, `_hi`). The first evaluation's
+change of the headline against the split's first evaluation (step 0) on the same prompts and seeds
+(`<headline>_change`), with two paired bootstrap intervals: over images (`_change_lo`, `_change_hi`: how
+sure the change is on these prompts, their seeds resampled as independent draws) and over prompts
+(`_change_prompt_lo`, `_change_prompt_hi`: whole prompts resampled, each with all its seeds' differences;
+what a claim about unseen prompts needs, as the seeds of one prompt share its difficulty). The first evaluation's
 per-image values are kept in `eval_reference_<split>.json` next to eval.csv, so a resumed run
 (`append=True`) still compares against step 0; in a folder without that file (a run from before
 it existed) the first evaluation after the resume becomes the reference.
@@ -30,7 +33,7 @@ import torch
 from serve_app.imports import import_object
 from serve_app.rewards import TOTAL_KEY
 from serve_app.trainer.outputs import MetricsLog, save_image_grid
-from serve_app.trainer.statistics import bootstrap_interval
+from serve_app.trainer.statistics import bootstrap_interval, cluster_bootstrap_interval
 
 if TYPE_CHECKING:
     from serve_app.trainer.config import TrainerRunConfig
@@ -40,8 +43,10 @@ CONFIDENCE = 0.95  # of every interval in eval.csv
 
 
 def change_columns(headline: str) -> list[str]:
-    """eval.csv's columns of the paired change of `headline` against the first evaluation."""
-    return [f"{headline}_change", f"{headline}_change_lo", f"{headline}_change_hi"]
+    """eval.csv's columns of the paired change of `headline` against the first evaluation: the change, its
+    interval over images and its interval over prompts."""
+    change = f"{headline}_change"
+    return [change, f"{change}_lo", f"{change}_hi", f"{change}_prompt_lo", f"{change}_prompt_hi"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,8 @@ class Evaluator(abc.ABC):
 
     `columns` are the metrics `score` adds to eval.csv; `headline` is the column summaries and grid
     titles report (`eval_reward_mean`, which every row has, unless the evaluator says otherwise);
-    `paired` evaluators give the headline per image, for its change against the first evaluation.
+    `paired` evaluators give the headline per image, for its change against the first evaluation (for
+    `eval_reward_mean` the rollout's per-image rewards are taken when `score` gives none).
     """
 
     columns: ClassVar[tuple[str, ...]] = ()
@@ -89,21 +95,29 @@ class Evaluator(abc.ABC):
         return f"{delta:+.5f}"
 
     def describe_change(self, first: dict[str, Any], last: dict[str, Any]) -> str:
-        """The headline from the `first` to the `last` eval.csv row; with the paired interval when the
-        rows have one, and whether it tells the change from none (the interval excludes 0)."""
+        """The headline from the `first` to the `last` eval.csv row; with the paired intervals (over images,
+        and over prompts) when the rows have them, and whether each tells the change from none (excludes 0)."""
         key = self.headline
         text = f"{self.format(first[key])} -> {self.format(last[key])}"
-        change, lo, hi = change_columns(key)
+        change, lo, hi, prompt_lo, prompt_hi = change_columns(key)
         if hi not in last:
             return f"{text} ({self.format_change(last[key] - first[key])})"
-        distinguishable = last[lo] > 0 or last[hi] < 0
+        intervals = f"{self._interval(last[lo], last[hi])} over images"
+        if prompt_hi in last:  # rows from before the prompt-level interval have none
+            intervals += f"; {self._interval(last[prompt_lo], last[prompt_hi])} over prompts"
+        return f"{text} ({self.format_change(last[change])}, paired {CONFIDENCE:.0%} interval {intervals})"
+
+    def _interval(self, lo: float, hi: float) -> str:
+        distinguishable = lo > 0 or hi < 0
         verdict = f"{'' if distinguishable else 'not '}distinguishable from no change"
-        return (f"{text} ({self.format_change(last[change])}, paired {CONFIDENCE:.0%} interval "
-                f"{self.format_change(last[lo])} to {self.format_change(last[hi])}: {verdict})")
+        return f"{self.format_change(lo)} to {self.format_change(hi)}: {verdict}"
 
 
 class RewardEvaluator(Evaluator):
-    """The configured reward on `prompts` (default: the first step's trainer prompts)."""
+    """The configured reward on `prompts` (default: the first step's trainer prompts), with its paired change
+    against the first evaluation."""
+
+    paired = True
 
     def __init__(self, config: TrainerRunConfig, *, prompts: list[str] | None = None) -> None:
         self._prompts = list(prompts or config.trainer.prompts[: config.trainer.prompts_per_step])
@@ -209,7 +223,10 @@ class RunEvaluator:
         scores = self.evaluator.score(images, prompts)
         row.update(scores.metrics)
         if self.evaluator.paired:
-            row.update(self._paired_change(split, step, prompts, batch.trajectory.seeds.tolist(), scores.per_image))
+            per_image = scores.per_image
+            if per_image is None and self.evaluator.headline == "eval_reward_mean":
+                per_image = batch.rewards[TOTAL_KEY].tolist()  # the headline is the reward: each image's own
+            row.update(self._paired_change(split, step, prompts, batch.trajectory.seeds.tolist(), per_image))
         shown = min(self.settings.grid_samples, per_prompt)
         keep = [i for i in range(len(prompts)) if i % per_prompt < shown]
         headline = self.evaluator.headline
@@ -222,8 +239,9 @@ class RunEvaluator:
 
     def _paired_change(self, split: str, step: int, prompts: list[str], seeds: list[int],
                        per_image: list[float] | None) -> dict[str, float]:
-        """The headline's change against the split's first evaluation, with its paired bootstrap interval
-        (each image's two values stay together); the first evaluation becomes the reference (and is saved)."""
+        """The headline's change against the split's first evaluation, with its paired bootstrap intervals
+        (each image's two values stay together) over images and over prompts; the first evaluation becomes
+        the reference (and is saved)."""
         if per_image is None:
             raise TypeError(f"{type(self.evaluator).__name__} is paired but its score gave no per-image values")
         if split not in self.references:
@@ -231,7 +249,9 @@ class RunEvaluator:
             self.references[split].save(self._reference_path(split))
         change = self.references[split].change(prompts, seeds, per_image)
         lo, hi = bootstrap_interval(change, confidence=CONFIDENCE)
-        return dict(zip(change_columns(self.evaluator.headline), (sum(change) / len(change), lo, hi)))
+        prompt_lo, prompt_hi = cluster_bootstrap_interval(change, prompts, confidence=CONFIDENCE)
+        values = (sum(change) / len(change), lo, hi, prompt_lo, prompt_hi)
+        return dict(zip(change_columns(self.evaluator.headline), values))
 
     def finish(self) -> None:
         rows = self.first_split_rows

@@ -6,9 +6,12 @@ One training step, top to bottom:
                   v' and the content hash of the weights the replicas checked they held
     2. prefill  - with trainer.max_staleness k > 0, k more rollouts are sent (pinned to v) to run
                   while this update does
-    3. update   - serve_app.trainer.update: replay, clipped loss, AdamW; at staleness 0 the first
-                  replay must give ratio 1
-    4. publish  - store.publish(v + 1, adapter tensors); new rollouts are pinned to it
+    3. update   - serve_app.trainer.update: a sample of the batch replayed with the weights of the
+                  version that sampled it must give its log-probs (the mismatch check, at any
+                  staleness); replay, clipped loss, AdamW; at staleness 0 the first replay must
+                  give ratio 1
+    4. publish  - store.publish(v + 1, adapter tensors); new rollouts are pinned to it, and the
+                  trainer keeps the tensors for the check of the batches they sample
     5. log      - one metrics.csv row (serve_app.trainer.outputs); grids, evaluations and checkpoints
                   every few steps
 
@@ -103,6 +106,7 @@ class FlowGRPOTrainer:
         # The versions updates published, in order (EMA versions are evaluated, never trained from):
         # a batch's staleness is the number of updates since its version.
         self.policy_versions = [self.version]
+        self.model.keep_version(self.version)  # the weights a batch of that version is checked against
         self.dropped_batches = 0
         self.pipeline = RolloutPipeline(self._request_rollout, max_staleness=self.cfg.max_staleness,
                                         first_index=self.step)
@@ -148,7 +152,8 @@ class FlowGRPOTrainer:
             delivered, staleness = self._next_rollout()
             # 2. The next rollouts run while this update does (none at staleness 0).
             self.pipeline.prefill(self.version)
-        # 3. Update; the stored log-probs are the behaviour policy's, so at staleness > 0 the first ratio is not 1.
+        # 3. Update; the stored log-probs are the behaviour policy's, so at staleness > 0 the first ratio is not 1,
+        # but a replay with the behaviour version's kept weights must give them (the mismatch check).
         # Each rank replays its shard of whole groups (one process: the whole batch).
         shard = self.parallel.scatter(None if delivered is None else delivered.batch, check_onpolicy=staleness == 0)
         train_started = time.perf_counter()
@@ -161,6 +166,7 @@ class FlowGRPOTrainer:
         self.version = self.publish()
         self.policy_versions.append(self.version)
         weight_sync_s = time.perf_counter() - sync_started
+        self.model.keep_version(self.version)  # for the mismatch check of the batches it samples
         # 5. Log (rank 0).
         self.step += 1
         if delivered is None:

@@ -4,6 +4,10 @@ The adapter is added with `transformer.add_adapter(..., adapter_name="flowgrpo")
 PeftAdapterMixin) exactly as :class:`serve_app.weights.replica.PolicyVersions` does on a replica, so the keys
 of `get_peft_model_state_dict` load there unchanged. peft's default init sets B = 0: a fresh
 adapter is a no-op and the trainer's weights at version 0 equal the base checkpoint's.
+
+It also keeps the trainable tensors of the last few published versions (`keep_version`), so that a batch
+sampled a few updates ago is replayed with the weights that sampled it (`at_version`): only the trainable
+tensors move (for LoRA a few MB), never the frozen transformer.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from serve_app.trainer.config import LoraSection
 from serve_app.weights.versions import ADAPTER, LoraSpec, WeightKind
 
 
-
 class TrainableTransformer:
-    """Owns the trainable part of a policy's transformer and the reference policy for the KL term."""
+    """Owns the trainable part of a policy's transformer, the reference policy for the KL term and the
+    trainable tensors of the last `keep_versions` published versions."""
 
-    def __init__(self, policy: DiffusionPolicy, lora: LoraSection) -> None:
+    def __init__(self, policy: DiffusionPolicy, lora: LoraSection, *, keep_versions: int = 0) -> None:
+        if keep_versions < 0:
+            raise ValueError(f"keep_versions must be >= 0; got {keep_versions}")
         self.policy = policy
         self.lora = lora
+        self.keep_versions = keep_versions
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}  # oldest first
         transformer = policy.transformer
         transformer.requires_grad_(False)
         self._reference: torch.nn.Module | None = None
@@ -76,6 +84,52 @@ class TrainableTransformer:
             for name, param in self.named.items():
                 param.copy_(state[name].to(param.device, param.dtype))
 
+    def keep_version(self, version: int) -> None:
+        """Keep the trainable tensors as they are now as `version`'s (on the CPU; under fsdp this rank's shards),
+        for `at_version`; only the newest `keep_versions` versions stay (none when it is 0)."""
+        if not self.keep_versions:
+            return
+        self._versions[version] = self._local_state()
+        while len(self._versions) > self.keep_versions:
+            del self._versions[next(iter(self._versions))]
+
+    @property
+    def kept_versions(self) -> list[int]:
+        return list(self._versions)
+
+    @contextlib.contextmanager
+    def at_version(self, version: int) -> Iterator[None]:
+        """The trainable tensors of a kept `version` in place of the current ones, which are put back on exit.
+        Copies only the trainable tensors (the adapter), under no grad; the optimizer state is untouched.
+
+        Raises:
+            KeyError: `version` is not among the kept ones.
+        """
+        if version not in self._versions:
+            raise KeyError(f"the trainer kept no weights of policy version {version} (it keeps {self.kept_versions}: "
+                           "the last trainer.max_staleness + 1 versions it published)")
+        current = self._local_state()
+        self._load_local(self._versions[version])
+        try:
+            yield
+        finally:
+            self._load_local(current)
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        return {n: _local(p).detach().to("cpu", copy=True) for n, p in self.named.items()}
+
+    @torch.no_grad()
+    def _load_local(self, state: dict[str, torch.Tensor]) -> None:
+        for name, param in self.named.items():
+            _local(param).copy_(state[name])
+        # fsdp: a forward without backward leaves the root's parameters gathered, and a gathered copy is what the
+        # next forward would use; resharding drops it, so the next forward gathers the tensors just copied.
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.policy.transformer.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """The frozen base policy for the KL term: adapters off (LoRA) or the frozen copy swapped in."""
@@ -94,3 +148,10 @@ class TrainableTransformer:
                 yield
             finally:
                 pipeline.transformer = transformer
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of a parameter: its shard of an fsdp DTensor (a view, under no grad), or itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param

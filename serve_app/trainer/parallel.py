@@ -8,8 +8,10 @@ One step on N ranks (one process is world size 1 of the same code: every collect
     all     replay their rows; each row's loss is scaled by 1 / (window x rows of the optimizer step on all
             ranks), so the SUM of the ranks' gradients is the one-process gradient of the whole batch
             (ddp: one flat all-reduce before each optimizer step; fsdp: FSDP2's reduce-scatter with divide
-            factor 1). Before the first optimizer step of an on-policy batch the ranks exchange their
-            |ratio - 1|: a mismatch on any rank stops every rank before it steps or publishes.
+            factor 1). Before each update the ranks exchange the log ratios of their mismatch check (a
+            group of their shard replayed with the behaviour version's weights; with action "stop" a
+            mismatch on any rank stops all), and before the first optimizer step of an on-policy batch
+            their |ratio - 1|: a mismatch on any rank stops every rank before it steps or publishes.
     rank 0  publishes v + 1 (fsdp: every rank first gathers its parameter shards) and writes the outputs;
             every rank learns the version number.
 

@@ -1,10 +1,10 @@
 """Statistics of a run's figures: per-step figures against their own step-to-step noise, and the
-intervals of evaluation accuracies and of their paired changes."""
+intervals of evaluation accuracies and of their paired changes (over images, and over prompts)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from statistics import NormalDist
 
 import numpy as np
@@ -55,10 +55,32 @@ def bootstrap_interval(values: Sequence[float], *, confidence: float = 0.95, res
     For a paired comparison pass the per-item differences (after - before): each pair stays
     together. Seeded: the same values give the same interval.
     """
+    return cluster_bootstrap_interval(values, range(len(values)), confidence=confidence, resamples=resamples,
+                                      seed=seed)
+
+
+def cluster_bootstrap_interval(values: Sequence[float], clusters: Sequence[Hashable], *, confidence: float = 0.95,
+                               resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(values), resampling whole clusters with replacement: each
+    resample draws as many clusters as there are, each with all its values, and takes the mean of the
+    values drawn. `clusters[i]` names the cluster of `values[i]`.
+
+    Values of one cluster are not independent draws (the seeds of one prompt share the prompt's
+    difficulty); resampling them together asks what other clusters would give, e.g. unseen prompts for
+    prompt clusters. One value a cluster is the plain bootstrap (`bootstrap_interval`). Seeded.
+
+    Raises:
+        ValueError: no values, or not one cluster per value.
+    """
     if not len(values):
         raise ValueError("no values to resample")
-    data = np.asarray(values, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
+    if len(clusters) != len(values):
+        raise ValueError(f"{len(values)} values but {len(clusters)} cluster names: one a value")
+    number = {name: i for i, name in enumerate(dict.fromkeys(clusters))}
+    member = np.fromiter((number[name] for name in clusters), dtype=np.int64, count=len(clusters))
+    sums = np.bincount(member, weights=np.asarray(values, dtype=np.float64))
+    sizes = np.bincount(member)
+    picks = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
     tail = 100 * (1 - confidence) / 2
-    lo, hi = np.percentile(data[picks].mean(axis=1), [tail, 100 - tail])
+    lo, hi = np.percentile(sums[picks].sum(axis=1) / sizes[picks].sum(axis=1), [tail, 100 - tail])
     return float(lo), float(hi)

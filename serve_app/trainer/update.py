@@ -1,7 +1,9 @@
 """The update of one training step: replay every window transition of a batch with the current weights
 (sampler.replay_step, the code the rollout ran), r = exp(logp - logp_old) against the stored behaviour
-log-probs, the clipped loss + beta * KL, AdamW; and, on a batch sampled with these very weights, the
-check that the first replay gives ratio 1 before anything changes.
+log-probs, the clipped loss + beta * KL, AdamW. Before anything changes, two checks: a sample of the batch
+replayed with the weights of the version that sampled it must give the rollout's log-probs (the mismatch
+monitor, at any staleness), and on a batch sampled with these very weights the first replay must give
+ratio 1.
 """
 
 from __future__ import annotations
@@ -74,10 +76,13 @@ class PolicyUpdate:
         self.policy = policy
         self.parallel = parallel
         self.history = history
-        self.model = TrainableTransformer(policy, cfg.lora)
+        # The trainable tensors of the versions a batch may still come from: this one and max_staleness before it
+        # (none at max_staleness 0: every batch then comes from the weights the trainer holds).
+        keep = cfg.max_staleness + 1 if cfg.max_staleness else 0
+        self.model = TrainableTransformer(policy, cfg.lora, keep_versions=keep)
         parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.mismatch = MismatchMonitor(**cfg.mismatch.model_dump())  # rollout-vs-replay, always on
+        self.mismatch = MismatchMonitor(**cfg.mismatch.model_dump())  # rollout-vs-replay, every step
         # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay); rank 0 only.
         self.ema = (EMAModel(self.model.parameters(), decay=cfg.ema_decay)
                     if cfg.ema_decay and parallel.is_leader else None)
@@ -85,15 +90,16 @@ class PolicyUpdate:
     def run(self, trajectory: Trajectory, advantages: torch.Tensor, *, check_onpolicy: bool, seed: int,
             step: int) -> UpdateStats:
         """inner_epochs passes over the batch in micro-batches (drawn with `seed`), every window step k of each
-        row; with `check_onpolicy` the first replay must give ratio 1 (the batch was sampled with these weights)."""
+        row, after the mismatch check of a sample of it (`check_behaviour`); with `check_onpolicy` the first replay
+        must give ratio 1 (the batch was sampled with these weights)."""
         cfg, stats = self.cfg, UpdateStats()
         if not check_onpolicy:
             stats.onpolicy_ratio_dev = math.nan  # not measured: the batch was sampled with older weights
         batch, window = len(trajectory), trajectory.log_probs.shape[1]
         if window == 0:
             raise ValueError("the rollout has no stochastic steps (sde_type 'ode' or noise_level 0): nothing to train")
+        self.check_behaviour(trajectory, seed=seed, current=check_onpolicy)
         generator = torch.Generator().manual_seed(seed)
-        self.mismatch.begin(self.policy, trajectory, micro_batch_size=cfg.micro_batch_size)
         optimizer_steps = 0
         self.policy.transformer.train()
         for _epoch in range(cfg.inner_epochs):
@@ -123,8 +129,6 @@ class PolicyUpdate:
         cfg = self.cfg
         new = replay_step(self.policy, trajectory, k, rows=rows)
         old_log_prob = trajectory.log_probs[rows, k].to(new.log_prob.device)
-        if on_policy:
-            self.mismatch.observe(new.log_prob, old_log_prob)
         # With trainer.mismatch.tis_cap: the trainer's pre-update log-prob, and TIS-weighted advantages.
         old_log_prob, weighted = self.mismatch.correct(rows, k, old_log_prob, advantages[rows].to(new.log_prob.device))
         policy_loss, ratio = clipped_ratio_loss(new.log_prob, old_log_prob, weighted, cfg.clip_range)
@@ -150,6 +154,16 @@ class PolicyUpdate:
         stats.clip_fracs.append(s.clip_frac)
         stats.ratios.append(ratio.detach().cpu())
         return loss
+
+    def check_behaviour(self, trajectory: Trajectory, *, seed: int, current: bool) -> None:
+        """Replay a sample of this rank's rows (trainer.mismatch.check_groups whole groups drawn with `seed`; every
+        row with TIS) under no grad with the weights of the version that sampled them: the current ones when
+        `current`, else that version's kept trainable tensors, swapped in for the replay and out after. The ranks
+        exchange their log ratios, so with action "stop" a mismatch on any rank stops all of them before an
+        optimizer step."""
+        behaviour = None if current else self.model.at_version(trajectory.policy_version)
+        self.mismatch.check(self.policy, trajectory, seed=seed, micro_batch_size=self.cfg.micro_batch_size,
+                            behaviour=behaviour, gather=self.parallel.all_gather)
 
     def check_onpolicy(self, stats: UpdateStats, step: int, version: int) -> None:
         """Every rank's first replay must give ratio 1 on its rows; the ranks exchange their deviations, so a

@@ -15,7 +15,7 @@ from serve_app.flowgrpo.advantages import group_advantages
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.serving.ingress import RolloutPlanner
 from serve_app.rewards import TOTAL_KEY
-from serve_app.schemas import RolloutRequest, SamplingParams, Trajectory, TrajectoryBatch
+from serve_app.schemas import PromptEmbeds, RolloutRequest, SamplingParams, Trajectory, TrajectoryBatch
 from serve_app.flowgrpo.ratios import summarize_log_ratios
 from serve_app.trainer.mismatch import MismatchMonitor, RolloutMismatchError, truncated_is_weight
 
@@ -55,20 +55,10 @@ def fake_batch(policy):
     return InProcessSource(fake_bf16_engine(policy), policy).rollout(["a cat", "a dog"], 2, seed=3)
 
 
-def _first_replay(policy, trajectory, monitor, rows_per_batch=2):
-    """What the trainer's first pass does: replay each micro-batch's window steps, feed the monitor."""
-    for rows in torch.arange(len(trajectory)).split(rows_per_batch):
-        for k in range(trajectory.log_probs.shape[1]):
-            new = replay_step(policy, trajectory, k, rows=rows)
-            monitor.observe(new.log_prob, trajectory.log_probs[rows, k])
-
-
 def test_the_monitor_reports_the_quantiles_the_conformance_check_sees(policy, fake_batch, caplog):
     trajectory = fake_batch.trajectory
-    monitor = MismatchMonitor(max_abs_log_ratio=1e-6, action="warn")
-    monitor.begin(policy, trajectory, micro_batch_size=2)
-    with torch.no_grad():
-        _first_replay(policy, trajectory, monitor)
+    monitor = MismatchMonitor(max_abs_log_ratio=1e-6, action="warn", check_groups="all")
+    monitor.check(policy, trajectory, seed=0, micro_batch_size=2)
     with caplog.at_level(logging.WARNING, logger="serve_app.trainer.mismatch"):
         row = monitor.end()
     verdict = replay_verdict(policy, trajectory)
@@ -80,30 +70,63 @@ def test_the_monitor_reports_the_quantiles_the_conformance_check_sees(policy, fa
     assert row["mismatch_abs_log_ratio_max"] > 10 * 1e-6
     assert "exceeds trainer.mismatch.max_abs_log_ratio 1e-06" in caplog.text
     assert "tis_weight_mean" not in row  # TIS off: no columns for it
+    assert row["mismatch_version"] == 0 and row["mismatch_rows"] == len(trajectory) and row["mismatch_check_s"] > 0
 
 
-def test_stop_raises_at_the_first_replay_and_a_looser_bound_passes(policy, fake_batch, caplog):
+def test_stop_raises_at_the_check_and_a_looser_bound_passes(policy, fake_batch, caplog):
     trajectory = fake_batch.trajectory
-    strict = MismatchMonitor(max_abs_log_ratio=1e-6, action="stop")
-    strict.begin(policy, trajectory, micro_batch_size=2)
-    with torch.no_grad(), pytest.raises(RolloutMismatchError, match=r"p99 .* max .* exceeds"):
-        _first_replay(policy, trajectory, strict)
-    loose = MismatchMonitor(max_abs_log_ratio=0.1, action="stop")
-    loose.begin(policy, trajectory, micro_batch_size=2)
-    with torch.no_grad(), caplog.at_level(logging.WARNING):
-        _first_replay(policy, trajectory, loose)
+    strict = MismatchMonitor(max_abs_log_ratio=1e-6, action="stop", check_groups="all")
+    with pytest.raises(RolloutMismatchError, match=r"policy version 0, .* p99 .* max .* exceeds"):
+        strict.check(policy, trajectory, seed=0, micro_batch_size=2)
+    loose = MismatchMonitor(max_abs_log_ratio=0.1, action="stop", check_groups="all")
+    with caplog.at_level(logging.WARNING):
+        loose.check(policy, trajectory, seed=0, micro_batch_size=2)
         row = loose.end()
     assert 0 < row["mismatch_abs_log_ratio_max"] < 0.1 and "mismatch" not in caplog.text
-    # No first replay (a stale batch): the columns are NaN, not zero.
-    loose.begin(policy, trajectory, micro_batch_size=2)
+    # Nothing checked since (end clears the update): the columns are NaN, not zero.
     assert all(math.isnan(v) for v in loose.end().values())
+
+
+def grouped_trajectory(groups: int, group_size: int) -> Trajectory:
+    """A hand-made trajectory of `groups` whole groups (only its layout matters here)."""
+    n = groups * group_size
+    return Trajectory(
+        latents=torch.zeros(n, 2, 4), log_probs=torch.zeros(n, 1), sigmas=torch.linspace(1, 0, 3),
+        step_indices=torch.tensor([0]), images=torch.zeros(n, 3, 4, 4, dtype=torch.uint8), seeds=torch.arange(n),
+        prompt_embeds=PromptEmbeds(torch.zeros(groups, 2, 4), torch.ones(groups, 2, dtype=torch.bool)),
+        embed_row=torch.arange(groups).repeat_interleave(group_size), negative_embeds=None, sampling=SAMPLING,
+        prompt_index=torch.arange(groups).repeat_interleave(group_size), sample_index=torch.arange(group_size).repeat(groups),
+        policy_version=0, weights_hash="base",
+    )
+
+
+def test_the_checked_rows_are_whole_groups_drawn_with_the_step_seed():
+    trajectory = grouped_trajectory(groups=8, group_size=4)
+    monitor = MismatchMonitor(max_abs_log_ratio=1e-5, check_groups=2)
+
+    def groups(seed):
+        rows = monitor.check_rows(trajectory, seed=seed)
+        picked = trajectory.prompt_index[rows].unique()
+        # Whole groups, in batch order.
+        assert torch.equal(rows, torch.isin(trajectory.prompt_index, picked).nonzero().flatten()) and len(picked) == 2
+        return tuple(picked.tolist())
+
+    assert all(groups(seed) == groups(seed) for seed in range(5))  # the same seed, the same rows
+    assert len({groups(seed) for seed in range(20)}) > 5  # other steps' seeds, other groups
+    assert monitor.check_rows(grouped_trajectory(1, 4), seed=0).tolist() == [0, 1, 2, 3]  # fewer groups: all
+    everything = torch.arange(32)
+    assert torch.equal(MismatchMonitor(max_abs_log_ratio=1e-5, check_groups="all").check_rows(trajectory, seed=0), everything)
+    # TIS needs every row's trainer log-prob.
+    assert torch.equal(MismatchMonitor(max_abs_log_ratio=1e-5, tis_cap=2.0).check_rows(trajectory, seed=0), everything)
+    with pytest.raises(ValueError, match="check_groups"):
+        MismatchMonitor(max_abs_log_ratio=1e-5, check_groups=0)
 
 
 def test_tis_bounds_the_weights_and_restores_ratio_one(policy, fake_batch):
     trajectory, advantages = fake_batch.trajectory, fake_batch.advantages
     cap = 1.0  # the trainer/rollout log ratios straddle 0: about half the weights are truncated
     monitor = MismatchMonitor(max_abs_log_ratio=1.0, tis_cap=cap)
-    monitor.begin(policy, trajectory, micro_batch_size=4)
+    monitor.check(policy, trajectory, seed=0, micro_batch_size=4)  # every row: the trainer's old log-probs
     raw, corrected, weights = [], [], []
     with torch.no_grad():
         for rows in torch.arange(len(trajectory)).split(2):

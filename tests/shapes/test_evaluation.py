@@ -86,15 +86,17 @@ def test_intervals_bracket_the_accuracies():
 
 class RenderingClient:
     """A stand-in for the app: the world's renderer draws the first `right` seeds of every prompt
-    exactly, the others are blank; seeds as the app derives them."""
+    exactly (of odd-numbered prompts `right_odd`, when given), the others are blank; seeds as the app
+    derives them."""
 
-    def __init__(self, right: int) -> None:
+    def __init__(self, right: int, right_odd: int | None = None) -> None:
         self.right = right
+        self.right_odd = right if right_odd is None else right_odd
 
     def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s):
         prompt_index, sample_index, seeds = group_layout(seed, len(prompts), group_size)
         rng = np.random.default_rng(0)
-        images = [render(parse_prompt(prompts[p]), rng) if s < self.right else BLANK
+        images = [render(parse_prompt(prompts[p]), rng) if s < (self.right_odd if p % 2 else self.right) else BLANK
                   for p, s in zip(prompt_index.tolist(), sample_index.tolist())]
         trajectory = SimpleNamespace(images=torch.from_numpy(np.stack(images)), prompt_index=prompt_index, seeds=seeds)
         return SimpleNamespace(trajectory=trajectory, rewards={TOTAL_KEY: torch.zeros(len(seeds))})
@@ -111,7 +113,7 @@ def test_change_against_step_zero_survives_a_resume(tmp_path):
     run = RunEvaluator(config, RenderingClient(right=1), tmp_path)
     first = _evaluate(run, 0)
     assert first["strict_accuracy"] == 0.25
-    assert [first[c] for c in change_columns("strict_accuracy")] == [0, 0, 0]
+    assert [first[c] for c in change_columns("strict_accuracy")] == [0, 0, 0, 0, 0]
     assert (tmp_path / "eval_reference_held_out.json").is_file()
 
     run.client = RenderingClient(right=3)  # two more seeds of every prompt right: +50 points
@@ -119,6 +121,8 @@ def test_change_against_step_zero_survives_a_resume(tmp_path):
     assert row["strict_accuracy_change"] == pytest.approx(0.5)
     # Changes of 0 and 1, half each, on 56 images: about +-13 points around +50.
     assert 0.3 < row["strict_accuracy_change_lo"] < 0.5 < row["strict_accuracy_change_hi"] < 0.7
+    # Every prompt changed by the same +50: resampling prompts finds nothing else.
+    assert row["strict_accuracy_change_prompt_lo"] == pytest.approx(0.5) == row["strict_accuracy_change_prompt_hi"]
 
     resumed = RunEvaluator(config, RenderingClient(right=1), tmp_path, append=True)
     row = _evaluate(resumed, 2)
@@ -126,12 +130,12 @@ def test_change_against_step_zero_survives_a_resume(tmp_path):
     assert row["strict_accuracy_change_lo"] == row["strict_accuracy_change_hi"] == 0
     summary = resumed.summary()
     assert "14 held_out prompts x 4 seeds: 25.0% -> 25.0% (+0.0 points, paired 95% interval" in summary
-    assert "not distinguishable from no change" in summary
+    assert "not distinguishable from no change over images; +0.0 points to +0.0 points: not" in summary
 
     resumed.client = RenderingClient(right=4)
     _evaluate(resumed, 3)
     summary = resumed.summary()
-    assert "+75.0 points, paired 95% interval +" in summary and ": distinguishable from no change)" in summary
+    assert "+75.0 points, paired 95% interval +" in summary and ": distinguishable from no change over prompts)" in summary
     resumed.finish()
     assert (tmp_path / "eval_accuracy.png").is_file()
 
@@ -139,6 +143,30 @@ def test_change_against_step_zero_survives_a_resume(tmp_path):
                                                          "trainer.evaluation.args.splits=[held_out]"])
     with pytest.raises(ValueError, match="pairing needs the same images"):
         _evaluate(RunEvaluator(other_seeds, RenderingClient(right=1), tmp_path, append=True), 4)
+
+
+def test_eval_csv_has_the_change_over_prompts_wider_when_prompts_differ(tmp_path):
+    import csv
+
+    config = load_trainer_config("trainer/shapes", ["trainer.evaluation.samples_per_prompt=4",
+                                                    "trainer.evaluation.args.splits=[held_out]",
+                                                    "trainer.evaluation.grid_samples=1"])
+    run = RunEvaluator(config, RenderingClient(right=1), tmp_path)
+    _evaluate(run, 0)
+    run.client = RenderingClient(right=4, right_odd=1)  # the even prompts learn (+75 points), the odd ones do not
+    row = _evaluate(run, 1)
+    assert row["strict_accuracy_change"] == pytest.approx(0.375)
+    image = row["strict_accuracy_change_hi"] - row["strict_accuracy_change_lo"]
+    prompt = row["strict_accuracy_change_prompt_hi"] - row["strict_accuracy_change_prompt_lo"]
+    # 7 prompts of +75 and 7 of 0: the prompt-level interval is about 1.5 times as wide as the image-level one.
+    assert prompt > 1.3 * image and row["strict_accuracy_change_prompt_lo"] > 0
+    with (tmp_path / "eval.csv").open() as f:
+        reader = csv.DictReader(f)
+        written = list(reader)
+    assert set(change_columns("strict_accuracy")) <= set(reader.fieldnames)
+    assert [float(written[1][c]) for c in change_columns("strict_accuracy")] == pytest.approx(
+        [row[c] for c in change_columns("strict_accuracy")])
+    assert "over images; +" in run.summary() and "over prompts)" in run.summary()
 
 
 def test_a_large_split_is_capped():

@@ -153,7 +153,10 @@ def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) ->
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    # The ranks import the serve_app beside this file (not another checkout's installed one).
+    repo = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     procs = []
     for rank in range(2):
         spec = {"rank": rank, "world": 2, "port": port, "scenarios": scenarios, "result": str(tmp_path / f"rank{rank}.json")}
@@ -178,9 +181,11 @@ def test_fsdp_shards_give_the_one_process_update_and_a_mismatch_on_one_rank_stop
     fsdp = trainer_config(tmp_path, "fsdp", "trainer.distributed.strategy=fsdp")
     mismatch = trainer_config(tmp_path, "mismatch")
     scenarios = [
+        # max_staleness 1: the trainer keeps version 0's shards after publishing version 1 (the update of a batch
+        # sampled with the current weights is the same at any max_staleness).
         {"name": "fsdp", "overrides": [*SHARED, *TRAINER, f"replica.weights_dir={tmp_path / 'fsdp' / 'weights'}",
-                                       "trainer.distributed.strategy=fsdp"],
-         "out": str(tmp_path / "fsdp" / "out"), "batch": str(tmp_path / "batch.pt")},
+                                       "trainer.distributed.strategy=fsdp", "trainer.max_staleness=1"],
+         "out": str(tmp_path / "fsdp" / "out"), "batch": str(tmp_path / "batch.pt"), "replay_version_0": True},
         # Rank 1's frozen base weights differ (as if it had loaded another checkpoint): its replay cannot give 1.
         {"name": "mismatch", "overrides": [*SHARED, *TRAINER, f"replica.weights_dir={tmp_path / 'mismatch' / 'weights'}"],
          "out": str(tmp_path / "mismatch" / "out"), "batch": str(tmp_path / "batch.pt"), "perturb_rank": 1},
@@ -193,6 +198,10 @@ def test_fsdp_shards_give_the_one_process_update_and_a_mismatch_on_one_rank_stop
         assert result.get("error") is None, result
         assert result["local_numel"] < result["full_numel"], result  # each rank held a part of the adapter
         assert result["onpolicy_ratio_dev"] < 1e-6 and result["version"] == 1
+        # Version 0's shards swapped in replay the batch it sampled; swapped out, the trained weights are back, also
+        # in the root module's parameters that a forward without backward leaves gathered.
+        assert result["version_0_dev"] < 1e-6 and result["trained_dev"] > 1e-4, result
+        assert result["restored_dev"] == 0, result
     assert_same_update(single, published(fsdp), base)
     # The checkpoint holds whole tensors (one process or ddp can resume it).
     from serve_app.trainer.checkpoint import load_checkpoint
@@ -258,10 +267,28 @@ def _rank_main(spec: dict) -> None:
             except Exception as exc:  # reported to the test, which says what it expects
                 result["error"] = f"{type(exc).__name__}: {exc}"
             result.update(onpolicy_ratio_dev=stats.get("own", float("nan")), version=trainer.version)
+            if scenario.get("replay_version_0"):
+                result.update(_replay_version_0(trainer, batch, rank, spec["world"]))
             results[scenario["name"]] = result
     finally:
         dist.destroy_process_group()
     Path(spec["result"]).write_text(json.dumps(results))
+
+
+def _replay_version_0(trainer, batch, rank: int, world: int) -> dict[str, float]:
+    """This rank's shard replayed (a collective under fsdp) with the trained weights, with version 0's kept
+    tensors swapped in, and with the trained ones again."""
+    from serve_app.flowgrpo.ratios import replay_log_probs
+    from serve_app.trainer.parallel import shard_rows
+
+    mine = batch.trajectory.take(shard_rows(len(batch), batch.group_size, world)[rank])
+    trained = replay_log_probs(trainer.policy, mine)
+    with trainer.model.at_version(0):
+        version_0 = replay_log_probs(trainer.policy, mine)
+    restored = replay_log_probs(trainer.policy, mine)
+    return {"version_0_dev": float((version_0 - mine.log_probs).abs().max()),
+            "trained_dev": float((trained - mine.log_probs).abs().max()),
+            "restored_dev": float((restored - trained).abs().max())}
 
 
 if __name__ == "__main__":

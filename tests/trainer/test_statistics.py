@@ -5,7 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from serve_app.trainer.statistics import bootstrap_interval, first_and_last, welch_t, wilson_interval, z_value
+from serve_app.trainer.statistics import (
+    bootstrap_interval,
+    cluster_bootstrap_interval,
+    first_and_last,
+    welch_t,
+    wilson_interval,
+    z_value,
+)
 
 
 def test_welch_t_on_hand_values():
@@ -64,3 +71,40 @@ def test_bootstrap_interval_matches_the_normal_one_on_a_large_sample():
     lo, hi = bootstrap_interval([1.0] * 200 + [0.0] * 200)
     assert (hi - lo) / 2 == pytest.approx(1.959964 * 0.025, abs=0.006)
     assert (lo + hi) / 2 == pytest.approx(0.5, abs=0.006)
+
+
+def test_the_prompt_level_interval_is_wider_when_prompts_differ_and_close_when_they_do_not():
+    rng = np.random.default_rng(0)
+    prompts = [f"prompt {p}" for p in range(14) for _ in range(32)]  # 14 prompts x 32 seeds, as held out
+
+    def widths(values):
+        lo, hi = bootstrap_interval(values)
+        prompt_lo, prompt_hi = cluster_bootstrap_interval(values, prompts)
+        assert prompt_lo <= np.mean(values) <= prompt_hi
+        return hi - lo, prompt_hi - prompt_lo
+
+    # Each prompt's change is its own (spread 0.3), and its seeds agree to within 0.01: the 448 images are
+    # 14 draws, not 448, and resampling prompts says so (sqrt(32) ~ 5.7 times as wide).
+    effect = np.repeat(rng.normal(0.1, 0.3, 14), 32)
+    image, prompt = widths(effect + rng.normal(0, 0.01, 448))
+    assert prompt > 3 * image
+    # No prompt effect: the seeds are independent whatever prompt they belong to, and the intervals agree on
+    # average. One data set's prompt-level width is itself estimated from 14 prompts: 0.6 to 1.4 times the other.
+    ratios = [prompt / image for image, prompt in map(widths, rng.normal(0.1, 0.3, (20, 448)))]
+    assert 0.85 < np.mean(ratios) < 1.15, ratios
+
+
+def test_the_cluster_bootstrap_on_hand_values():
+    values = [0, 1, 1, 0, 1, 1, 1, 0]
+    # One value a cluster is the plain bootstrap; clusters are named by anything hashable.
+    assert cluster_bootstrap_interval(values, list("abcdefgh")) == bootstrap_interval(values)
+    # Two clusters, each always 0 or always 1: a resample's mean is 0, 1/2 or 1 as for two values.
+    assert cluster_bootstrap_interval([0, 0, 0, 1, 1, 1], ["x", "x", "x", "y", "y", "y"]) == (0.0, 1.0)
+    # Clusters [2] and [0, 0, 0]: a resample holds both (mean 2/4, chance 1/2), the first twice (2) or the second
+    # twice (0). The mean is over values, not over cluster means (which would put the middle at 1).
+    assert cluster_bootstrap_interval([2, 0, 0, 0], [1, 2, 2, 2]) == (0.0, 2.0)
+    assert cluster_bootstrap_interval([2, 0, 0, 0], [1, 2, 2, 2], confidence=0.4) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="one a value"):
+        cluster_bootstrap_interval([0, 1], ["a"])
+    with pytest.raises(ValueError, match="no values"):
+        cluster_bootstrap_interval([], [])

@@ -1,5 +1,6 @@
 """The trainer against the whole app in Serve's local testing mode (one process, real handles)."""
 
+import csv
 import math
 
 import pytest
@@ -172,9 +173,85 @@ def test_pipelined_rollouts_stay_within_the_staleness_bound(local_app, tmp_path,
     for row in rows:
         if row["staleness"] == 0:
             assert row["onpolicy_ratio_dev"] < 1e-6
-        else:  # sampled with older weights: not checked, but the ratios are logged
+        else:  # sampled with older weights: the ratio-1 check does not apply, but the ratios are logged
             assert math.isnan(row["onpolicy_ratio_dev"]) and math.isfinite(row["ratio_max"])
     assert all(r["trainer_idle_s"] >= 0 and r["rollout_wait_s"] >= 0 for r in rows)
+    # At every staleness a group replayed with the weights of the version that sampled it gives its log-probs
+    # again, and every row of metrics.csv says so.
+    with (tmp_path / "out" / "metrics.csv").open() as f:
+        written = list(csv.DictReader(f))
+    for row in written:
+        assert float(row["mismatch_version"]) == float(row["policy_version"])
+        assert float(row["mismatch_rows"]) == 4  # one group
+        assert 0 <= float(row["mismatch_abs_log_ratio_max"]) <= 1e-6, row
+        assert 0 < float(row["mismatch_check_s"]) < float(row["step_seconds"])
+
+
+def serve_version_perturbed(monkeypatch, version: int, scale: float = 1.02) -> None:
+    """Every replica serves `version` with its adapter's tensors scaled by `scale` once they are loaded and
+    checked (as a replica whose weights drift after the read-back check would): the stamp and content hash
+    still say `version`, so only the trainer's replay of its batches can tell."""
+    from serve_app.weights.replica import PolicyVersions
+
+    real = PolicyVersions.ensure
+
+    def ensure(self, asked: int) -> None:
+        switching = asked != self.current
+        real(self, asked)
+        if switching and asked == version:
+            with torch.no_grad():
+                for name, param in self.policy.transformer.named_parameters():
+                    if "lora_" in name:
+                        param.mul_(scale)
+
+    monkeypatch.setattr(PolicyVersions, "ensure", ensure)
+
+
+@pytest.mark.parametrize("action", ["stop", "warn"])
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_replica_serving_other_weights_is_caught_at_the_step_that_uses_its_batch(local_app, tmp_path, monkeypatch,
+                                                                                  max_staleness, action):
+    from serve_app.trainer.mismatch import RolloutMismatchError
+
+    perturbed = 3  # published by step 2, sampled while step 3 trains; its batch is trained on at step 3 + k
+    caught = perturbed + max_staleness
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", f"trainer.max_staleness={max_staleness}",
+                           f"trainer.mismatch.action={action}", "trainer.image_every=0")
+    serve_version_perturbed(monkeypatch, perturbed)
+    if action == "stop":
+        with pytest.raises(RolloutMismatchError, match=f"policy version {perturbed}, .* exceeds"):
+            trainer.train(caught + 1)
+        # Stopped before that step's optimizer step: nothing published, and the trainer's weights are the last
+        # published version's (the behaviour weights swapped in for the check were swapped out again).
+        assert trainer.step == caught and trainer.store.latest_version() == trainer.version == caught
+        published = trainer.store.load(trainer.version).tensors
+        assert all(torch.equal(v, published[k]) for k, v in trainer.model.publishable_state().items())
+        rows = trainer.metrics.rows
+    else:
+        rows = trainer.train(caught + 1)
+        assert rows[caught]["mismatch_version"] == perturbed
+        assert rows[caught]["mismatch_abs_log_ratio_max"] > trainer.cfg.mismatch.max_abs_log_ratio
+    assert len(rows) >= caught
+    assert all(r["mismatch_abs_log_ratio_max"] <= 1e-6 for r in rows[:caught])  # the honest steps before it
+
+
+def test_tis_takes_its_old_log_probs_from_the_one_behaviour_replay(local_app, tmp_path, monkeypatch):
+    """With TIS on stale batches: the behaviour version's replay of every row is the trainer's old log-prob, so
+    on an honest fp32 engine every importance weight is 1 (the current weights would give others); and it is
+    the only no-grad replay of the step."""
+    from serve_app.trainer import mismatch
+
+    replays = []
+    real = mismatch.replay_log_probs
+    monkeypatch.setattr(mismatch, "replay_log_probs", lambda *a, **kw: replays.append(1) or real(*a, **kw))
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", "trainer.max_staleness=1",
+                           "trainer.mismatch.tis_cap=2.0", "trainer.image_every=0")
+    rows = trainer.train(3)
+    assert len(replays) == 3
+    assert [int(r["staleness"]) for r in rows] == [0, 1, 1]
+    for row in rows:
+        assert row["mismatch_rows"] == 8  # every row
+        assert row["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and row["tis_truncated_frac"] == 0
 
 
 def test_a_batch_staler_than_the_bound_is_dropped_and_counted(local_app, tmp_path):

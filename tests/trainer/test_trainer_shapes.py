@@ -46,6 +46,9 @@ def test_eval_csv_grids_and_plot(shapes_app, tmp_path):
             assert 0.0 <= float(row[f"{column}_lo"]) <= float(row[column]) <= float(row[f"{column}_hi"]) <= 1.0
         change = float(row["strict_accuracy_change"])
         assert float(row["strict_accuracy_change_lo"]) <= change <= float(row["strict_accuracy_change_hi"])
+        # One seed a prompt: resampling prompts is resampling images, the two intervals are one.
+        assert (row["strict_accuracy_change_prompt_lo"], row["strict_accuracy_change_prompt_hi"]) == (
+            row["strict_accuracy_change_lo"], row["strict_accuracy_change_hi"])
         # Paired: the same 14 images' verdicts against step 0's, so the change is what the rows say.
         assert change == pytest.approx(float(row["strict_accuracy"]) - float(evals[0]["strict_accuracy"]))
     assert (out / "eval_reference_held_out.json").is_file() and (out / "eval_reference_train.json").is_file()

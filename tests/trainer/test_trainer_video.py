@@ -8,6 +8,7 @@ from PIL import Image
 from serve_app.client import RolloutClient
 from serve_app.flowgrpo.sampler import replay_step
 from serve_app.trainer.config import load_trainer_config
+from serve_app.trainer.evaluation import change_columns
 from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,8 @@ def test_one_training_step_on_videos_replays_with_ratio_one(start_local_app, tmp
     assert Image.open(tmp_path / "out" / "train_step00000.png").size == (5 * 32, 4 * 32)
     # The ODE evaluation after the step ran on videos too (the video reward's mean, filmstrip grids).
     header, first = (tmp_path / "out" / "eval.csv").read_text().splitlines()[:2]
-    assert header.endswith("eval_reward_mean") and first.startswith("1,fixed,1,policy,")
+    assert header.endswith("eval_reward_mean," + ",".join(change_columns("eval_reward_mean")))
+    assert first.startswith("1,fixed,1,policy,")
     assert Image.open(tmp_path / "out" / "eval_step00001.png").size[0] == 5 * 32
 
     batch = client.rollout(["a red circle"], 2, sampling=trainer.sampling, policy_version=1, seed=7)

@@ -7,12 +7,13 @@ app, as `ShapesEvaluator`) and benchmarks/bench_learning.py - so they are comput
 
 Intervals (`ShapesEvaluator`, `intervals`): the four accuracies are proportions of images, with a
 Wilson interval; partial_score (a mean of 0, 1/3, 2/3, 1) gets a percentile bootstrap over images.
-What they measure is the noise of the seeds: a split's prompts are the whole split, not a sample of
-one, so the images are treated as independent draws. As every prompt has the same number of seeds,
-that overstates the noise by the spread between prompts, a little: +-4.6 points on the held-out
-change at 448 images, against +-4.5 with each prompt's seeds resampled apart (which at one seed a
-prompt would measure nothing). Resampling whole prompts instead would ask what other prompts would
-do; with 14 of them that interval was +-5.6 points at 32 seeds and still +-5.0 at 40.
+What they measure is the noise of the seeds on these prompts: the images are treated as independent
+draws. The paired change of strict accuracy against step 0 gets that interval over images and, beside
+it, one over prompts (serve_app.trainer.evaluation: whole prompts resampled with all their seeds),
+which is what a claim about unseen prompts needs: the 14 held-out prompts are a sample of the prompts
+the grammar could hold out, and the seeds of one prompt share its difficulty. On the held-out change
+at 14 x 32 images the image-level interval was +-4.6 points, the prompt-level one +-5.6 (+-5.0 at 40
+seeds).
 """
 
 from __future__ import annotations
