@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.config import ModelConfig
 from serve_app.policies.base import DiffusionPolicy, TextProcessor
+
+if TYPE_CHECKING:  # the config's loader pulls Hydra; a policy alone (benchmarks/gpu_rollout.py) needs none of it
+    from serve_app.config import ModelConfig
 
 __all__ = [
     "DiffusionPolicy",

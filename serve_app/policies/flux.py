@@ -28,7 +28,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from transformers import AutoTokenizer
 
 from serve_app.policies.base import PackedLatentPolicy, TextProcessor, rows_of
-from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens
+from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens, SamplingParams
 
 CLIP_SLOT = "tokenizer"
 T5_SLOT = "tokenizer_2"
@@ -177,3 +177,13 @@ class FluxPolicy(PackedLatentPolicy):
         unpacked = pipe._unpack_latents(latents, height, width, self._vae_factor).to(vae.dtype)
         images = vae.decode(unpacked / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
         return pipe.image_processor.postprocess(images, output_type="pt")
+
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
+        cfg = params.guidance_scale > 1
+        return self.pipeline(
+            prompt=prompt, negative_prompt=params.negative_prompt if cfg else None, true_cfg_scale=params.guidance_scale,
+            guidance_scale=self.distilled_guidance,
+            height=params.height, width=params.width, num_inference_steps=params.num_steps,
+            max_sequence_length=self.max_sequence_length, latents=latents.clone(), num_images_per_prompt=len(latents),
+            output_type="pt",
+        ).images
