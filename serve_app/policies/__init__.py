@@ -114,7 +114,8 @@ def model_dir(model: ModelConfig) -> Path:
 
 
 def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
-    """What the replicas and the trainer both load, so their weights at version 0 are the same."""
+    """What the replicas and the trainer both load, so their weights at version 0 are the same (eager:
+    the sampling engine compiles its own copy when `model.compile` says so)."""
     device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(
         model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype], components=model.components

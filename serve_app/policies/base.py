@@ -141,6 +141,7 @@ class DiffusionPolicy(abc.ABC):
         self.pipeline = pipeline
         self.device = device
         self.dtype = dtype
+        self.compiled = False  # whether compile_transformer compiled the transformer's forward
         self._text_processor: TextProcessor | None = None
         # (num_steps, height, width) -> sigmas; held by the policy, so freeing a policy frees its pipeline.
         self._schedules: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -200,6 +201,13 @@ class DiffusionPolicy(abc.ABC):
     def transformer(self) -> torch.nn.Module:
         """The denoiser: what RL trains and what weight sync replaces."""
         return self.pipeline.transformer
+
+    def compile_transformer(self, *, backend: str = "inductor") -> None:
+        """Compile the transformer's forward with torch.compile, in place (``nn.Module.compile``: the
+        module, its parameter names and its weight versions stay as they are; a LoRA version added later
+        recompiles once). For sampling only: the trainer's replay stays eager (``model.compile``)."""
+        self.transformer.compile(backend=backend)
+        self.compiled = True
 
     # -- geometry and schedule -------------------------------------------------------------
 
