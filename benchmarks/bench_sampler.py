@@ -16,18 +16,30 @@ import json
 import os
 import pickle
 import platform
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from serve_app.flowgrpo.sampler import encode_conditioning, initial_latents, rollout
+from serve_app.flowgrpo.sampler import initial_latents
 from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.models import ensure_embedded_model
 from serve_app.policies import load_policy
 from serve_app.schemas import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sampler_timing import (  # noqa: E402  (a sibling module, not a package)
+    STOCK,
+    VARIANTS,
+    Clock,
+    our_rollout,
+    ratio_summary,
+    sampler_variants,
+    seconds_of,
+    summary,
+    time_interleaved,
+)
 
 
 class Case(NamedTuple):
@@ -48,10 +60,6 @@ CASES = {
 }
 
 
-def _summary(samples: list[float]) -> dict[str, float]:
-    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
-
-
 def trajectory_bytes(trajectory) -> int:
     buffer = io.BytesIO()
     pickle.dump(trajectory, buffer, protocol=5)
@@ -64,57 +72,23 @@ def bench_case(name: str, *, batch: int, steps: int, repeats: int, guidance: flo
     prompt = "a red circle moving left to right" if frames > 1 else "a red circle next to a blue square"
     tokens = policy.text_processor().tokenize([prompt])
     base = SamplingParams(height=size, width=size, num_frames=frames, num_steps=steps, guidance_scale=guidance, seed=0)
-    variants = {
-        "ours_ode": base.model_copy(update={"noise_level": 0.0, "sde_type": "ode", "sde_window_size": None}),
-        "ours_sde_window2": base.model_copy(update={"noise_level": 1.2, "sde_window_size": 2, "sde_window_range": (0, 5)}),
-        "ours_sde_all_steps": base.model_copy(update={"noise_level": 1.2, "sde_window_size": None}),
-    }
+    variants = sampler_variants(base, list(VARIANTS))
     seeds = torch.arange(batch)
-    index = torch.zeros(batch, dtype=torch.long)
     latents = initial_latents(policy, base, sample_generators(seeds))
-
-    def stock() -> None:
-        negative = [" "] * batch if guidance > 1 else None
-        if frames > 1:  # WanPipeline: its CFG is guidance_scale; text padded to the policy's length
-            policy.pipeline(
-                prompt=[prompt] * batch, negative_prompt=negative, guidance_scale=guidance, height=size, width=size,
-                num_frames=frames, num_inference_steps=steps, latents=latents.clone(), output_type="pt",
-                max_sequence_length=policy.max_sequence_length,
-            )
-            return
-        policy.pipeline(
-            prompt=[prompt] * batch, negative_prompt=negative, true_cfg_scale=guidance, height=size, width=size,
-            num_inference_steps=steps, latents=latents.clone(), output_type="pt",
-        )
-
-    def ours(params: SamplingParams):
-        # Encoding is part of the work, as in the stock call.
-        conditioning = encode_conditioning(policy, tokens, index, None, params)
-        return rollout(policy, conditioning, seeds, params, window_start=1 if params.sde_window_size else None,
-                       prompt_index=index, sample_index=seeds, policy_version=0, weights_hash="base")
-
-    runs = {"stock_pipeline": stock, **{k: (lambda p=p: ours(p)) for k, p in variants.items()}}
+    runs = {STOCK: lambda: policy.stock_call(prompt, base, latents),
+            **{k: (lambda p=p: our_rollout(policy, tokens, p, seeds)) for k, p in variants.items()}}
     for fn in runs.values():  # warm-up
         fn()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    with torch.inference_mode():
-        for _ in range(repeats):
-            for key, fn in runs.items():  # interleaved, so machine noise hits every variant alike
-                started = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - started)
-    result = {key: _summary(t) for key, t in times.items()}
-    stock_median = result["stock_pipeline"]["median"]
-    ratios = {}
-    for key in variants:
-        per_repeat = [a / b for a, b in zip(times[key], times["stock_pipeline"])]
-        ratios[f"{key}_vs_stock"] = {**_summary(per_repeat), "of_medians": result[key]["median"] / stock_median}
+    times = {key: seconds_of(m) for key, m in time_interleaved(runs, repeats, Clock(torch.device("cpu"))).items()}
+    result = {key: summary(t) for key, t in times.items()}
     return {
         "case": name, "model": model, "height": size, "width": size, "frames": frames, "batch": batch,
-        "steps": steps, "guidance_scale": guidance, "repeats": repeats, "seconds": result, "ratios": ratios,
+        "steps": steps, "guidance_scale": guidance, "repeats": repeats, "seconds": result,
+        "ratios": {f"{key}_vs_stock": ratio_summary(times[key], times[STOCK]) for key in variants},
         "samples_per_s_median": {k: batch / v["median"] for k, v in result.items()},
         "trajectory_bytes_per_sample": {
-            key: trajectory_bytes(ours(variants[key])) / batch for key in ("ours_sde_window2", "ours_sde_all_steps")
+            key: trajectory_bytes(our_rollout(policy, tokens, variants[key], seeds)) / batch
+            for key in ("ours_sde_window2", "ours_sde_all_steps")
         },
     }
 

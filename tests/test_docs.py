@@ -30,7 +30,7 @@ def named_paths(span: str) -> list[str]:
     """Repository paths a span names (placeholders such as DIR, <r> or * are not paths)."""
     found = []
     for token in re.split(r"[\s(),'\"=\[\]{}]+", span):
-        token = token.rstrip(".:;")
+        token = token.split("::")[0].rstrip(".:;")  # a test's node id names its file
         if token.startswith(TOP_FOLDERS) or token in TOP_FILES:
             if not re.search(r"[<>*]|DIR|/path/to/", token):
                 found.append(token)

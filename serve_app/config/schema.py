@@ -62,6 +62,12 @@ class ModelConfig(Section):
         "embedding. True CFG is sampling.guidance_scale.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")
+    compile: bool = Field(
+        False,
+        description="Compile the transformer's forward with torch.compile on the sampling replicas (the trainer's "
+        "replay stays eager). The first rollout of each new shape pays the compilation (minutes for a large model); "
+        "rollouts then agree with eager ones to rounding, which the trainer's ratio check sees.",
+    )
     max_request_work: int = Field(
         2**22,
         ge=1,

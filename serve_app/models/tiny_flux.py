@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel
 
-from .tiny_parts import clip_text_config, kl_vae, qwen2_tokenizer, save_pipeline, seeded, t5_encoder, tokenizer_slots
+from .tiny_parts import clip_text_config, kl_vae, qwen2_tokenizer, save_pipeline, seeded_components, t5_encoder, tokenizer_slots
 
 __all__ = ["FLUX_MIN_IMAGE_SIZE", "build_tiny_flux"]
 
@@ -77,9 +78,9 @@ def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None 
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizers = tokenizer_slots(tokenizer_dir, {"tokenizer": _CLIP_MAX_LENGTH, "tokenizer_2": _T5_MAX_LENGTH})
-        pipe = FluxPipeline(
-            scheduler=_scheduler(), vae=seeded(seed, _vae), text_encoder=seeded(seed, _clip),
-            text_encoder_2=seeded(seed, lambda: t5_encoder(_T5_DIM)), transformer=seeded(seed, _transformer),
-            **tokenizers,
-        )
+        makers = (("transformer", _transformer, seed), ("vae", _vae, seed), ("text_encoder", _clip, seed),
+                  ("text_encoder_2", lambda: t5_encoder(_T5_DIM), seed))
+        with torch.device("cpu"):
+            components = seeded_components(makers, torch.float32)
+        pipe = FluxPipeline(scheduler=_scheduler(), **components, **tokenizers)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=tokenizers)

@@ -13,6 +13,9 @@ Image sizes: the pipeline floors height/width to a multiple of ``2 * vae_scale_f
   (a single image token). 32x32 gives 16 image tokens.
 * ``small`` - VAE downsamples by 8 like the real model, so sizes must be multiples of 16;
   smallest is 16x16. 64x64 gives 16 image tokens.
+* ``full`` - Qwen-Image's released transformer and VAE dimensions (a ~20B-parameter transformer)
+  with a two-layer stand-in of the 3584-wide Qwen2.5-VL-7B text encoder: for GPU benchmarks
+  (benchmarks/gpu_rollout.py), built in memory with :func:`qwen_image_pipeline`, never saved.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
@@ -29,12 +33,15 @@ from diffusers import (
 )
 from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded
+from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID
 
-__all__ = ["QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder", "qwen_image_transformer"]
+__all__ = [
+    "QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder",
+    "qwen_image_pipeline", "qwen_image_transformer",
+]
 
-QwenImageSize = Literal["tiny", "small"]
+QwenImageSize = Literal["tiny", "small", "full"]
 
 # scheduler_config.json of Qwen/Qwen-Image: resolution-dependent exponential time shift
 # with a terminal sigma of 0.02 instead of 0.
@@ -72,6 +79,10 @@ class _Spec:
     z_dim: int
     vae_base_dim: int
     vae_dim_mult: tuple[int, ...]
+    vae_res_blocks: int = 1
+    # The released VAE's latent statistics (its constructor's defaults); False: identity normalisation,
+    # since random latents have no statistics worth matching.
+    vae_released_statistics: bool = False
 
 
 _SPECS: dict[str, _Spec] = {
@@ -101,6 +112,11 @@ _SPECS: dict[str, _Spec] = {
         vae_base_dim=16,
         vae_dim_mult=(1, 2, 4, 4),
     ),
+    # Qwen/Qwen-Image: the transformer and VAE as released (diffusers' constructor defaults); the text
+    # encoder has Qwen2.5-VL-7B's width, heads and mrope sections but 2 of its 28 layers.
+    "full": _Spec(layers=60, heads=24, head_dim=128, rope_axes=(16, 56, 56), text_dim=3584, text_layers=2, text_heads=28,
+                  text_mrope=(16, 24, 24), z_dim=16, vae_base_dim=96, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2,
+                  vae_released_statistics=True),
 }
 
 
@@ -133,18 +149,18 @@ def _transformer(spec: _Spec) -> QwenImageTransformer2DModel:
 
 def _vae(spec: _Spec) -> AutoencoderKLQwenImage:
     downsamples = len(spec.vae_dim_mult) - 1
+    statistics = {} if spec.vae_released_statistics else {"latents_mean": [0.0] * spec.z_dim,
+                                                          "latents_std": [1.0] * spec.z_dim}
     return AutoencoderKLQwenImage(
         base_dim=spec.vae_base_dim,
         z_dim=spec.z_dim,
         dim_mult=list(spec.vae_dim_mult),
-        num_res_blocks=1,
+        num_res_blocks=spec.vae_res_blocks,
         attn_scales=[],
         # Same pattern as the real VAE: no temporal downsampling in the first stage.
         temperal_downsample=[i > 0 for i in range(downsamples)],
         dropout=0.0,
-        # Identity normalisation: random latents have no statistics worth matching.
-        latents_mean=[0.0] * spec.z_dim,
-        latents_std=[1.0] * spec.z_dim,
+        **statistics,
     )
 
 
@@ -202,6 +218,26 @@ def _text_encoder(spec: _Spec) -> Qwen2_5_VLForConditionalGeneration:
     )
 
 
+def qwen_image_pipeline(
+    size: QwenImageSize, *, tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> QwenImagePipeline:
+    """A random-weight ``QwenImagePipeline`` of `size` in `dtype`, in memory, on the current default
+    device; bit-reproducible for a given `seed` (:func:`seeded_components`)."""
+    if size not in _SPECS:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
+    spec = _SPECS[size]
+    if len(tokenizer) > _TEXT_VOCAB_SIZE:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} ids, more than the {_TEXT_VOCAB_SIZE} rows of the text encoder's embedding"
+        )
+    components = seeded_components(
+        [(name, lambda make=make: make(spec), seed) for name, make in
+         (("transformer", _transformer), ("vae", _vae), ("text_encoder", _text_encoder))], dtype)
+    with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
+        scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
+    return QwenImagePipeline(scheduler=scheduler, tokenizer=tokenizer, **components)
+
+
 def build_tiny_qwen_image(
     out_dir: Path,
     *,
@@ -209,27 +245,13 @@ def build_tiny_qwen_image(
     seed: int = 0,
     tokenizer_dir: Path | None = None,
 ) -> Path:
-    """Builds a random-weight ``QwenImagePipeline`` and saves it (float32 safetensors) to ``out_dir``.
+    """Builds a random-weight ``QwenImagePipeline`` on the CPU and saves it (float32 safetensors) to ``out_dir``.
 
-    Every component is created on CPU right after ``torch.manual_seed(seed)``, so two
-    builds with the same seed have bit-identical weights. ``tokenizer_dir`` is a
+    Bit-reproducible for a given ``seed`` (:func:`qwen_image_pipeline`). ``tokenizer_dir`` is a
     directory written by :func:`build_qwen2_tokenizer`; without it one is built (~3 s).
     """
-    if size not in _SPECS:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
-    spec = _SPECS[size]
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        if len(tokenizer) > _TEXT_VOCAB_SIZE:
-            raise ValueError(
-                f"tokenizer in {tokenizer_dir} has {len(tokenizer)} ids, more than the "
-                f"{_TEXT_VOCAB_SIZE} rows of the text encoder's embedding"
-            )
-        pipe = QwenImagePipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-            vae=seeded(seed, lambda: _vae(spec)),
-            text_encoder=seeded(seed, lambda: _text_encoder(spec)),
-            tokenizer=tokenizer,
-            transformer=seeded(seed, lambda: _transformer(spec)),
-        )
+        with torch.device("cpu"):
+            pipe = qwen_image_pipeline(size, tokenizer=tokenizer, seed=seed)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

@@ -16,34 +16,82 @@ Stand-ins, as for tiny SD3 / Flux (no vocabulary can be fetched offline):
 Geometry: the VAE keeps Wan's temporal factor 4 (two temporal downsamplings: 4k + 1 frames ->
 k + 1 latent frames) but has two spatial levels instead of three (factor 4, not 8), so 32x32 frames
 give 8x8 latents and, with the transformer's 1x2x2 patches, 16 tokens per latent frame.
+
+Size ``full`` has Wan2.1-T2V-1.3B's transformer and VAE dimensions and its released
+``UniPCMultistepScheduler`` (flow_shift 3.0), with a one-layer stand-in of the 4096-wide UMT5-XXL
+encoder: for GPU benchmarks (benchmarks/gpu_rollout.py), built in memory with :func:`wan_pipeline`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded
+from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
 
-__all__ = ["build_tiny_wan"]
+__all__ = ["WanSize", "build_tiny_wan", "wan_pipeline"]
 
-_MAX_LENGTH = 32  # the tokenizer's model_max_length: the policy's max_sequence_length
-_TEXT_DIM = 16  # UMT5 d_model = the transformer's text_dim
-_Z_DIM = 4  # latent channels
+WanSize = Literal["tiny", "full"]
+
 _TEMPORAL_FACTOR = 4  # Wan2.1's
-_SPATIAL_FACTOR = 4  # Wan2.1 has 8; one level fewer keeps 32 px frames at 8x8 latents
 _FLOW_SHIFT = 3.0  # Wan2.1-T2V at 480p
 
 
-def _text_encoder() -> UMT5EncoderModel:
+@dataclass(frozen=True)
+class _Spec:
+    layers: int
+    heads: int
+    head_dim: int  # rotary split over (time, height, width)
+    ffn_dim: int
+    freq_dim: int
+    rope_max_seq_len: int
+    text_dim: int  # UMT5 d_model = the transformer's text_dim
+    max_length: int  # the tokenizer's model_max_length: the policy's max_sequence_length
+    z_dim: int  # latent channels
+    vae_base_dim: int
+    vae_dim_mult: tuple[int, ...]
+    vae_temporal_downsample: tuple[bool, ...]
+    spatial_factor: int
+    vae_res_blocks: int = 1
+    # None: the constructor's defaults, which are Wan2.1's released latent statistics.
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+    released_scheduler: bool = False  # UniPC with flow sigmas, as released; else FlowMatchEuler at the same shift
+
+
+_SPECS: dict[str, _Spec] = {
+    # Wan2.1 has spatial factor 8; one level fewer keeps 32 px frames at 8x8 latents. Non-trivial
+    # normalisation constants, so decode's (latents * std + mean) is exercised.
+    "tiny": _Spec(layers=2, heads=2, head_dim=12, ffn_dim=32, freq_dim=32, rope_max_seq_len=32, text_dim=16,
+                  max_length=32, z_dim=4, vae_base_dim=8, vae_dim_mult=(1, 2, 2), vae_temporal_downsample=(True, True),
+                  spatial_factor=4, latents_mean=(0.1, -0.2, 0.05, 0.0), latents_std=(1.5, 0.8, 1.2, 2.0)),
+    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the transformer (30 blocks of 12 heads x 128, ffn 8960) and the VAE
+    # as the constructors' defaults give them.
+    "full": _Spec(layers=30, heads=12, head_dim=128, ffn_dim=8960, freq_dim=256, rope_max_seq_len=1024,
+                  text_dim=4096, max_length=512, z_dim=16, vae_base_dim=96, vae_dim_mult=(1, 2, 4, 4),
+                  vae_temporal_downsample=(False, True, True), spatial_factor=8, vae_res_blocks=2,
+                  released_scheduler=True),
+}
+
+
+def _text_encoder(spec: _Spec) -> UMT5EncoderModel:
     config = UMT5Config(
         vocab_size=QWEN2_VOCAB_SIZE,
-        d_model=_TEXT_DIM,
+        d_model=spec.text_dim,
         d_kv=8,
-        d_ff=2 * _TEXT_DIM,
+        d_ff=2 * spec.text_dim,
         num_layers=1,
         num_heads=2,
         relative_attention_num_buckets=8,
@@ -55,51 +103,59 @@ def _text_encoder() -> UMT5EncoderModel:
     return UMT5EncoderModel(config).eval()
 
 
-def _transformer() -> WanTransformer3DModel:
+def _transformer(spec: _Spec) -> WanTransformer3DModel:
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,  # rotary split: 4 (time) + 4 (height) + 4 (width)
-        in_channels=_Z_DIM,
-        out_channels=_Z_DIM,
-        text_dim=_TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=spec.head_dim, in_channels=spec.z_dim,
+        out_channels=spec.z_dim, text_dim=spec.text_dim, freq_dim=spec.freq_dim, ffn_dim=spec.ffn_dim,
+        num_layers=spec.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=spec.rope_max_seq_len,
     )
 
 
-def _vae() -> AutoencoderKLWan:
+def _vae(spec: _Spec) -> AutoencoderKLWan:
+    statistics: dict[str, Any] = {}
+    if spec.latents_mean is not None and spec.latents_std is not None:
+        statistics = {"latents_mean": list(spec.latents_mean), "latents_std": list(spec.latents_std)}
     return AutoencoderKLWan(
-        base_dim=8,
-        z_dim=_Z_DIM,
-        dim_mult=[1, 2, 2],  # two downsampling levels ...
-        num_res_blocks=1,
-        temperal_downsample=[True, True],  # ... both also in time
-        # Non-trivial normalisation constants, so decode's (latents * std + mean) is exercised.
-        latents_mean=[0.1, -0.2, 0.05, 0.0],
-        latents_std=[1.5, 0.8, 1.2, 2.0],
+        base_dim=spec.vae_base_dim,
+        z_dim=spec.z_dim,
+        dim_mult=list(spec.vae_dim_mult),
+        num_res_blocks=spec.vae_res_blocks,
+        temperal_downsample=list(spec.vae_temporal_downsample),
         scale_factor_temporal=_TEMPORAL_FACTOR,
-        scale_factor_spatial=_SPATIAL_FACTOR,
+        scale_factor_spatial=spec.spatial_factor,
+        **statistics,
     )
 
 
-def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+def _scheduler(spec: _Spec) -> FlowMatchEulerDiscreteScheduler | UniPCMultistepScheduler:
+    if spec.released_scheduler:
+        return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=_FLOW_SHIFT)
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=_FLOW_SHIFT)
 
 
+def wan_pipeline(size: WanSize, *, tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> WanPipeline:
+    """A random-weight ``WanPipeline`` of `size` in `dtype`, in memory, on the current default device;
+    bit-reproducible for a given `seed` (:func:`seeded_components`). `tokenizer`'s model_max_length is
+    set to the size's text length."""
+    if size not in _SPECS:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
+    spec = _SPECS[size]
+    tokenizer.model_max_length = spec.max_length
+    components = seeded_components(
+        [(name, lambda make=make: make(spec), seed) for name, make in
+         (("transformer", _transformer), ("vae", _vae), ("text_encoder", _text_encoder))], dtype)
+    with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
+        scheduler = _scheduler(spec)
+    return WanPipeline(tokenizer=tokenizer, scheduler=scheduler, **components)
+
+
 def build_tiny_wan(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Builds a random-weight ``WanPipeline`` and saves it (float32 safetensors), bit-reproducibly:
-    each component is created right after ``torch.manual_seed``. ``tokenizer_dir`` is a
-    :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
+    """Builds the tiny random-weight ``WanPipeline`` on the CPU and saves it (float32 safetensors),
+    bit-reproducibly (:func:`wan_pipeline`). ``tokenizer_dir`` is a :func:`build_qwen2_tokenizer`
+    output; without it one is built (~3 s)."""
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        tokenizer.model_max_length = _MAX_LENGTH
-        pipe = WanPipeline(
-            tokenizer=tokenizer, text_encoder=seeded(seed, _text_encoder), vae=seeded(seed, _vae),
-            scheduler=_scheduler(), transformer=seeded(seed, _transformer),
-        )
+        with torch.device("cpu"):
+            pipe = wan_pipeline("tiny", tokenizer=tokenizer, seed=seed)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.config import ModelConfig
 from serve_app.policies.base import DiffusionPolicy, TextProcessor
+
+if TYPE_CHECKING:  # the config's loader pulls Hydra; a policy alone (benchmarks/gpu_rollout.py) needs none of it
+    from serve_app.config import ModelConfig
 
 __all__ = [
     "DiffusionPolicy",
@@ -111,7 +114,8 @@ def model_dir(model: ModelConfig) -> Path:
 
 
 def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
-    """What the replicas and the trainer both load, so their weights at version 0 are the same."""
+    """What the replicas and the trainer both load, so their weights at version 0 are the same (eager:
+    the sampling engine compiles its own copy when `model.compile` says so)."""
     device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(
         model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype], components=model.components

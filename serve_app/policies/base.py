@@ -12,7 +12,6 @@ import copy
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,7 +21,10 @@ import torch
 from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
-from serve_app.schemas import PromptEmbeds, PromptTokens
+from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+
+
+_SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width)
 
 
 class TextProcessor(abc.ABC):
@@ -139,7 +141,10 @@ class DiffusionPolicy(abc.ABC):
         self.pipeline = pipeline
         self.device = device
         self.dtype = dtype
+        self.compiled = False  # whether compile_transformer compiled the transformer's forward
         self._text_processor: TextProcessor | None = None
+        # (num_steps, height, width) -> sigmas; held by the policy, so freeing a policy frees its pipeline.
+        self._schedules: dict[tuple[int, int, int], torch.Tensor] = {}
 
     @classmethod
     def from_pretrained(
@@ -160,6 +165,13 @@ class DiffusionPolicy(abc.ABC):
             for name, path in (components or {}).items()
         }
         pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype, **own)
+        return cls.from_pipeline(pipeline, device=device, dtype=dtype)
+
+    @classmethod
+    def from_pipeline(cls, pipeline: Any, *, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> DiffusionPolicy:
+        """A policy over a pipeline already in memory (loaded, or built from configs in code) whose
+        weights are in `dtype`: moved to `device`, its progress bar off, its encoders and VAE frozen."""
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in cls._frozen_modules(pipeline):
@@ -189,6 +201,13 @@ class DiffusionPolicy(abc.ABC):
     def transformer(self) -> torch.nn.Module:
         """The denoiser: what RL trains and what weight sync replaces."""
         return self.pipeline.transformer
+
+    def compile_transformer(self, *, backend: str = "inductor") -> None:
+        """Compile the transformer's forward with torch.compile, in place (``nn.Module.compile``: the
+        module, its parameter names and its weight versions stay as they are; a LoRA version added later
+        recompiles once). For sampling only: the trainer's replay stays eager (``model.compile``)."""
+        self.transformer.compile(backend=backend)
+        self.compiled = True
 
     # -- geometry and schedule -------------------------------------------------------------
 
@@ -237,7 +256,21 @@ class DiffusionPolicy(abc.ABC):
 
     def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """[N+1] float32 sigmas from 1 towards 0, ending at 0 - the scheduler's own schedule."""
-        return _cached_schedule(self, num_steps, height, width).clone()
+        key = (num_steps, height, width)
+        if key not in self._schedules:
+            if len(self._schedules) >= _SCHEDULES_KEPT:
+                del self._schedules[next(iter(self._schedules))]  # the oldest
+            self._schedules[key] = self._schedule(num_steps, height, width)
+        return self._schedules[key].clone()
+
+    def _schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        # The scheduler keeps state; a private copy per call keeps concurrent requests apart.
+        scheduler = copy.deepcopy(self.schedule_source)
+        self._set_timesteps(scheduler, num_steps, height, width)
+        sigmas = torch.as_tensor(np.asarray(scheduler.sigmas.cpu(), dtype=np.float32))
+        if sigmas.shape != (num_steps + 1,) or float(sigmas[-1]) != 0.0:
+            raise ValueError(f"scheduler gave an unexpected schedule of shape {tuple(sigmas.shape)} for {num_steps} steps")
+        return sigmas
 
     @abc.abstractmethod
     def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None: ...
@@ -277,6 +310,13 @@ class DiffusionPolicy(abc.ABC):
     def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
         """Images [B, 3, H, W] (videos: [B, F, 3, H, W]) float in [0, 1]."""
 
+    @abc.abstractmethod
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
+        """The family's stock diffusers ``__call__`` for len(latents) samples of `prompt` from the initial
+        `latents` [B, ...] (our latent layout), with `params`' size, frames, steps and true CFG (its
+        negative prompt): images [B, 3, H, W] (videos [B, F, 3, H, W]) in [0, 1]. What our sampler at
+        noise 0 must reproduce (the engine contract's invariant 2), and what benchmarks time it against."""
+
 
 class PackedLatentPolicy(DiffusionPolicy):
     """A family whose transformer takes latents packed 2x2 into tokens (Qwen-Image, Flux): one sample's
@@ -299,14 +339,3 @@ def rows_of(prompts: Sequence[str], ids: Mapping[str, torch.Tensor]) -> list[Pro
     """One PromptTokens per prompt from padded batches of token ids [len(prompts), length] per slot."""
     return [PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
             for row, p in enumerate(prompts)]
-
-
-@lru_cache(maxsize=64)
-def _cached_schedule(policy: DiffusionPolicy, num_steps: int, height: int, width: int) -> torch.Tensor:
-    # The scheduler keeps state; a private copy per call keeps concurrent requests apart.
-    scheduler = copy.deepcopy(policy.schedule_source)
-    policy._set_timesteps(scheduler, num_steps, height, width)
-    sigmas = torch.as_tensor(np.asarray(scheduler.sigmas.cpu(), dtype=np.float32))
-    if sigmas.shape != (num_steps + 1,) or float(sigmas[-1]) != 0.0:
-        raise ValueError(f"scheduler gave an unexpected schedule of shape {tuple(sigmas.shape)} for {num_steps} steps")
-    return sigmas

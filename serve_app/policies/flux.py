@@ -27,7 +27,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from serve_app.policies.base import PackedLatentPolicy
 from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
-from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens
+from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens, SamplingParams
 
 DEFAULT_DISTILLED_GUIDANCE = 3.5  # the stock `guidance_scale`
 
@@ -137,3 +137,13 @@ class FluxPolicy(ClipT5Tokenizers, PackedLatentPolicy):
         unpacked = pipe._unpack_latents(latents, height, width, self._vae_factor).to(vae.dtype)
         images = vae.decode(unpacked / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
         return pipe.image_processor.postprocess(images, output_type="pt")
+
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
+        cfg = params.guidance_scale > 1
+        return self.pipeline(
+            prompt=prompt, negative_prompt=params.negative_prompt if cfg else None, true_cfg_scale=params.guidance_scale,
+            guidance_scale=self.distilled_guidance,
+            height=params.height, width=params.width, num_inference_steps=params.num_steps,
+            max_sequence_length=self.max_sequence_length, latents=latents.clone(), num_images_per_prompt=len(latents),
+            output_type="pt",
+        ).images

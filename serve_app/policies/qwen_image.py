@@ -13,7 +13,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from transformers import AutoTokenizer
 
 from serve_app.policies.base import PackedLatentPolicy, TextProcessor
-from serve_app.schemas import PromptEmbeds, PromptTokens
+from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 # The pipeline's own template: the encoder's hidden states of the first 34 tokens (the system
 # prompt and the user header) are dropped.
@@ -149,3 +149,11 @@ class QwenImagePolicy(PackedLatentPolicy):
         std = torch.tensor(vae.config.latents_std, device=unpacked.device, dtype=unpacked.dtype).view(shape)
         images = vae.decode(unpacked * std + mean, return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(images, output_type="pt")
+
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
+        cfg = params.guidance_scale > 1
+        return self.pipeline(
+            prompt=prompt, negative_prompt=params.negative_prompt if cfg else None, true_cfg_scale=params.guidance_scale,
+            height=params.height, width=params.width, num_inference_steps=params.num_steps,
+            latents=latents.clone(), num_images_per_prompt=len(latents), output_type="pt",
+        ).images

@@ -18,7 +18,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
-from serve_app.schemas import PromptEmbeds, PromptTokens
+from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 class SD3TextProcessor(ClipT5TextProcessor):
     """Three tokenizations per prompt: CLIP-L, CLIP-G and (when the pipeline has it) T5."""
@@ -150,3 +150,11 @@ class SD3Policy(ClipT5Tokenizers, DiffusionPolicy):
         latents = (latents.to(vae.dtype) / vae.config.scaling_factor) + vae.config.shift_factor
         images = vae.decode(latents, return_dict=False)[0]
         return pipe.image_processor.postprocess(images, output_type="pt")
+
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipeline(
+            prompt=prompt, negative_prompt=params.negative_prompt, guidance_scale=params.guidance_scale,
+            height=params.height, width=params.width, num_inference_steps=params.num_steps,
+            max_sequence_length=self.max_sequence_length, latents=latents.clone(), num_images_per_prompt=len(latents),
+            output_type="pt",
+        ).images

@@ -38,7 +38,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer
 
 from serve_app.policies.base import DiffusionPolicy, TextProcessor
-from serve_app.schemas import PromptEmbeds, PromptTokens
+from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 TOKENIZER_SLOT = "tokenizer"
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
@@ -242,3 +242,12 @@ class WanPolicy(DiffusionPolicy):
         # Divided by the reciprocal, as the stock pipeline does, so the rounding is the same.
         video = vae.decode(z / inv_std + mean, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="pt")
+
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
+        cfg = params.guidance_scale > 1
+        return self.pipeline(
+            prompt=prompt, negative_prompt=params.negative_prompt if cfg else None, guidance_scale=params.guidance_scale,
+            height=params.height, width=params.width, num_frames=params.num_frames, num_inference_steps=params.num_steps,
+            max_sequence_length=self.max_sequence_length, latents=latents.clone(), num_videos_per_prompt=len(latents),
+            output_type="pt",
+        ).frames

@@ -4,6 +4,7 @@ policy, split the result back per chunk."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -27,12 +28,16 @@ __all__ = ["BatchStats", "DiffusersEngine", "load_engine"]
 
 
 def load_engine(config: RolloutConfig) -> SamplingEngine:
-    """The engine `replica.backend` names, over the configured model and the trainer's weight store."""
+    """The engine `replica.backend` names, over the configured model (its transformer compiled when
+    `model.compile` is on) and the trainer's weight store."""
     from serve_app.policies import load_configured_policy
     from serve_app.weights import open_weight_store
 
     if config.replica.backend == "diffusers":
-        return DiffusersEngine(load_configured_policy(config.model), open_weight_store(config))
+        policy = load_configured_policy(config.model)
+        if config.model.compile:
+            policy.compile_transformer()
+        return DiffusersEngine(policy, open_weight_store(config))
     raise ValueError(f"replica.backend {config.replica.backend!r} has no engine; available: diffusers")
 
 
@@ -108,8 +113,12 @@ class DiffusersEngine:
         shape = policy.latent_shape(side, side, policy.geometry.min_frames)
         latents = torch.zeros((1, *shape), device=policy.device, dtype=policy.dtype)
         sigma = torch.ones(1, device=policy.device)
-        return policy.velocity(latents, sigma, self._probe_conditioning, negative=None, guidance_scale=1.0,
-                               height=side, width=side)
+        # Eager even when the transformer is compiled: compiling the probe's one-off shape could take longer
+        # than a health check may, and Serve would replace a healthy replica.
+        eager = torch.compiler.set_stance("force_eager") if policy.compiled else contextlib.nullcontext()
+        with eager:
+            return policy.velocity(latents, sigma, self._probe_conditioning, negative=None, guidance_scale=1.0,
+                                   height=side, width=side)
 
     def generate_embedded(self, chunk: EmbeddedChunk) -> Trajectory:
         """Sample from already encoded prompts (the contract's embeddings entry); raises on error."""

@@ -21,9 +21,11 @@ from serve_app.weights.versions import ADAPTER, BASE_HASH, LoraSpec, VersionStor
 
 def replica_name() -> str:
     """This Serve replica's id, or the process id outside Serve (for error messages)."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
+    try:  # a policy's versions also switch where Ray is not installed (benchmarks/gpu_rollout.py)
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+    except ImportError:
+        return f"process {os.getpid()}"
     try:
         return serve.get_replica_context().replica_tag
     except RayServeException:

@@ -13,13 +13,28 @@ from pathlib import Path
 
 import pytest
 
+from serve_app.serving.engine_contract import REPLAY_TOLERANCE
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_script(name: str, *args: str, timeout: float = 600) -> dict:
+# Runs the script named by its first argument with the given modules unimportable (a machine without them).
+WITHOUT_MODULES = (
+    "import runpy, sys\n"
+    "for name in sys.argv[1].split(','):\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv = sys.argv[2:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def run_script(name: str, *args: str, timeout: float = 600, without: tuple[str, ...] = ()) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    command = [str(REPO / "benchmarks" / name), *args]
+    if without:
+        command = ["-c", WITHOUT_MODULES, ",".join(without), *command]
+    done = subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)  # stdout is the JSON document and nothing else
 
@@ -49,6 +64,48 @@ def test_bench_sampler(flowgrpo_home):
         assert all(v["median"] > 0 for v in case["seconds"].values())
         window, all_steps = case["trajectory_bytes_per_sample"].values()
         assert 0 < window < all_steps  # the window keeps 2 steps' latents and log-probs, all-steps every step's
+
+
+@pytest.mark.slow
+def test_gpu_rollout_tiny(flowgrpo_home):
+    """The GPU check's whole script on the CPU at the tiny models, without Ray or Hydra (as on the device):
+    ~50 s. The compile check runs with the `eager` backend here (dynamo only): inductor's CPU build alone
+    would take longer than the rest (tests/policies/test_compile.py checks compiled numerics)."""
+    report = run_script("gpu_rollout.py", "--tiny", "--compile-backend", "eager", without=("ray", "hydra", "omegaconf"))
+    assert_finite(report)
+    assert report["mode"] == "tiny" and report["machine"]["device"] == "cpu"
+    assert report["matmul"]["tflops"]["median"] > 0
+    assert list(report["families"]) == ["qwen_image", "sd3", "wan"]
+    for family in report["families"].values():
+        sampling = family["sampling"]
+        cases = family["cases"]
+        assert set(cases) == {"stock_pipeline", "ours_sde_window2", "ours_sde_all_steps"}
+        for name, case in cases.items():
+            seconds = case["seconds"]
+            assert 0 < seconds["min"] <= seconds["median"] <= seconds["max"]
+            assert case["seconds_per_step"]["median"] == pytest.approx(seconds["median"] / sampling["steps"])
+            assert case["samples_per_s"] == pytest.approx(sampling["group"] / seconds["median"])
+            if name != "stock_pipeline":  # a ratio is the ratio of the times it names
+                ratio = case["ratio_to_stock"]["of_medians"]
+                assert ratio == pytest.approx(seconds["median"] / cases["stock_pipeline"]["seconds"]["median"])
+        transformer = family["transformer"]
+        assert transformer["flops_per_step"] > 0 and transformer["rows_per_forward"] == 2 * sampling["group"]
+        assert transformer["tflops"] == pytest.approx(
+            transformer["flops_per_step"] / transformer["step_seconds"]["median"] / 1e12)
+        consistency = family["consistency"]  # float32 on the CPU: the replay reproduces the rollout
+        for replay in ("replay_same_batch", "replay_micro_batches", "replay_float32"):
+            assert consistency[replay]["max_abs_log_ratio"] <= REPLAY_TOLERANCE
+            assert consistency[replay]["share_outside_1+-0.0001"] == 0
+        assert consistency["replay_same_batch"]["transitions"] == 2 * sampling["group"]  # a window of 2
+        lora = family["lora_switch"]
+        assert lora["rank"] == 64 and lora["tensors"] > 0 and lora["bytes"] > 0
+        assert all(s > 0 for s in lora["seconds"].values())
+    compiled = report["compile"]
+    assert compiled["family"] == "sd3" and compiled["backend"] == "eager"
+    assert compiled["speedup"]["of_medians"] == pytest.approx(
+        compiled["eager_seconds"]["median"] / compiled["compiled_seconds"]["median"])
+    assert compiled["max_abs_log_prob_difference_vs_eager"] <= REPLAY_TOLERANCE
+    assert compiled["eager_replay_of_compiled_rollout"]["max_abs_log_ratio"] <= REPLAY_TOLERANCE
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from serve_app.media import to_uint8
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import BASE_HASH, WeightStore
 
-from tests.conformance.conftest import ENGINES, FAMILIES, FLAGGED_ENGINES, STOCK_CALLS, family_sampling
+from tests.conformance.conftest import ENGINES, FAMILIES, FLAGGED_ENGINES, family_sampling
 
 # True CFG on, a 2-step SDE window that always starts at step 0 (so chunks of different requests fuse).
 SAMPLING = SamplingParams(height=32, width=32, num_steps=3, guidance_scale=4.0, noise_level=1.0,
@@ -88,7 +88,7 @@ def noise_zero_case(conformance_policies):
             planner = _planner(policy, params)
             (chunk,) = planner.plan(RolloutRequest(prompts=[PROMPT], group_size=1, seed=11, policy_version=0)).chunks
             latents = initial_latents(policy, params, sample_generators(chunk.seeds))
-            stock = STOCK_CALLS[family](policy, PROMPT, params, latents)
+            stock = policy.stock_call(PROMPT, params, latents)
             frames = () if params.num_frames == 1 else (params.num_frames,)
             assert stock.shape == (1, *frames, 3, 32, 32) and float(stock.std()) > 1e-3  # not a blank image
             cases[family, guidance_scale] = (params, chunk, latents, stock)
