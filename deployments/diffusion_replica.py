@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import torch
 from ray import serve
@@ -15,8 +16,9 @@ from serve_app.serving.engine import load_engine as load_backend_engine
 from serve_app.serving.engine_contract import SamplingEngine
 from serve_app.errors import WeightMismatchError
 from serve_app.serving.options import check_running_options
+from serve_app.weights.replica import replica_name
 from serve_app.policies.base import ImageGeometry
-from serve_app.schemas import RolloutChunk, Trajectory
+from serve_app.schemas import ChunkHeader, RolloutChunk, Trajectory
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,6 +36,7 @@ class DiffusionReplica:
             # replica that should use the machine's cores says so here.
             torch.set_num_threads(config.replica.torch_threads)
         self.engine = load_engine(config)
+        self.name = replica_name()
         # Batching is set up per replica, sized by the config. serve.batch keeps its queue on the
         # function it decorates, so a class-level decorator would share one queue - served by one event
         # loop - between every replica of a process, as Serve's local testing mode runs them (measured:
@@ -61,13 +64,19 @@ class DiffusionReplica:
             tag_keys=("where",),
         )
 
-    async def generate(self, chunk: RolloutChunk) -> Trajectory:
-        """One chunk's trajectory. Concurrent calls are fused into one forward batch; an error raised
-        here is this chunk's own (DiffusersEngine.generate isolates the chunks of a fused batch)."""
+    async def generate(self, chunk: RolloutChunk) -> AsyncIterator[ChunkHeader | torch.Tensor | Trajectory]:
+        """One chunk, yielded in three parts that each become an object of their own, so a caller can hand
+        each to the process that needs it: the header (ids, seeds, log-probs, version), the images (for
+        the rewards) and the transitions (for the trainer). Call it with handle.options(stream=True).
+
+        Concurrent calls are fused into one forward batch; an error raised here is this chunk's own
+        (DiffusersEngine.generate isolates the chunks of a fused batch)."""
         result = await self._generate_fused(chunk)
         if isinstance(result, Exception):
             raise result
-        return result
+        yield ChunkHeader.of(result, sampled_by=self.name)
+        yield result.images
+        yield result.without_images()
 
     def geometry(self) -> ImageGeometry:
         """The image sizes this replica's model takes and what an image costs (the ingress checks

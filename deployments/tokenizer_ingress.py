@@ -1,14 +1,13 @@
-"""TokenizerIngress: the app's entry (HTTP and handle). Validates, tokenizes, fans out to the
-replicas (re-running a chunk whose replica died), has each chunk scored by the aggregator as soon as
-it arrives (while other chunks still sample), then has the aggregator assemble the batch."""
+"""TokenizerIngress: the app's entry (HTTP and handle), a thin shell over the planner and the
+RolloutCoordinator (serve_app/serving): it gives the coordinator handle calls - a chunk sampled on some
+replica (re-run where its replica died), scored and collected by the aggregator. A chunk's images and
+transitions stay references here: only its header is read, and the HTTP answer fetches what it encodes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,23 +16,25 @@ from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import metrics
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.serving.aggregator import ScoreStream
 from serve_app.config import RolloutConfig
 from serve_app.errors import InvalidRequestError, ReplicaUnavailableError, http_error
 from serve_app.serving.options import check_running_options
-from serve_app.serving.ingress import RolloutPlanner, to_response
 from serve_app.schemas import (
+    BatchLayout,
+    ChunkHeader,
     ErrorResponse,
     GroupScores,
     RolloutChunk,
     RolloutRequest,
     RolloutResponse,
-    ScoreJob,
-    Trajectory,
+    SampledChunk,
     TrajectoryBatch,
 )
+from serve_app.serving.coordinator import RolloutCoordinator, Scoring
+from serve_app.serving.ingress import RolloutPlanner, to_response
 from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
@@ -67,16 +68,13 @@ async def _invalid_json(_: Request, exc: RequestValidationError) -> JSONResponse
         error="invalid_request", field=error.field, message=error.message).model_dump())
 
 
-async def _all_or_cancel(coroutines: list[Coroutine[Any, Any, Any]]) -> list[Any]:
-    """Their results in order; the first failure cancels the rest (a failed request stops sampling
-    and scoring its other chunks) and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
+def _running_in_a_replica() -> bool:
+    """Whether this runs in a Serve replica of a Ray cluster (not in Serve's local testing mode)."""
     try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
+        serve.get_replica_context()
+    except RayServeException:
+        return False
+    return True
 
 
 @serve.ingress(api)
@@ -88,7 +86,8 @@ class TokenizerIngress:
         self.config = config
         self.text_processor = load_text_processor(model_dir(config.model), family=config.model.family)
         self._planner: RolloutPlanner | None = None
-        self._scoring: dict[str, bool] | None = None
+        self._coordinator: RolloutCoordinator | None = None
+        self._on_a_cluster = _running_in_a_replica()
         self.replica = replica
         self.aggregator = aggregator
         self.latency = metrics.Histogram(
@@ -114,21 +113,19 @@ class TokenizerIngress:
             )
         return self._planner
 
-    async def scoring(self) -> dict[str, bool]:
-        """Which score jobs the aggregator's rewards need (per-sample parts, whole groups), asked once."""
-        if self._scoring is None:
-            self._scoring = await self.aggregator.scoring.remote()
-        return self._scoring
+    async def coordinator(self) -> RolloutCoordinator:
+        """The coordinator, built on first use with the scoring the aggregator's rewards need."""
+        if self._coordinator is None:
+            kinds = await self.aggregator.scoring.remote()
+            scoring = Scoring(kinds["per_sample"], kinds["groupwise"], self.config.aggregator.score_while_sampling)
+            self._coordinator = RolloutCoordinator(self.sample, self.aggregator.score.remote, self.collect, scoring)
+        return self._coordinator
 
-    async def score(self, jobs: list[ScoreJob]) -> list[GroupScores]:
-        """The jobs scored by the aggregator, concurrently; its RewardError (fail closed) fails them all."""
+    async def collect(self, prompts: list[str], group_size: int, scores: list[GroupScores],
+                      headers: list[ChunkHeader]) -> BatchLayout:
+        return await self.aggregator.collect.remote(prompts, group_size, scores, headers)
 
-        async def one(job: ScoreJob) -> GroupScores:
-            return await self.aggregator.score.remote(job)
-
-        return await _all_or_cancel([one(job) for job in jobs])
-
-    async def sample(self, chunk: RolloutChunk) -> Trajectory:
+    async def sample(self, chunk: RolloutChunk) -> SampledChunk:
         """One chunk on some replica. A replica that dies while holding it costs a re-run on another
         (or the restarted) one, not the request: the chunk's seeds make the re-run exactly the
         trajectory the undisturbed run returns."""
@@ -139,7 +136,7 @@ class TokenizerIngress:
             self.chunk_reruns.inc()
 
         try:
-            return await policy.call_async(lambda: self.replica.generate.remote(chunk),
+            return await policy.call_async(lambda: self._sample_once(chunk),
                                            retryable=lambda exc: isinstance(exc, RayActorError), on_retry=rerun)
         except RayActorError:
             raise ReplicaUnavailableError(
@@ -147,8 +144,28 @@ class TokenizerIngress:
                 f"{policy.attempts}); retry the request"
             ) from None
 
+    async def _sample_once(self, chunk: RolloutChunk) -> SampledChunk:
+        """The replica yields the chunk's header, images and transitions as three objects, which this
+        process owns (so they outlive the replica) without fetching the last two."""
+        parts = self.replica.options(stream=True, _by_reference=True).generate.remote(chunk)
+        if not self._on_a_cluster:  # Serve's local testing mode: one process, the values themselves
+            header, images, transitions = [part async for part in parts]
+            return SampledChunk(header, images, transitions)
+        # Iterated in a thread: the synchronous iteration waits for each object without fetching it, where
+        # Ray 2.60's async iteration fetches an object that is not ready yet into this process.
+        refs = await asyncio.to_thread(list, await parts._to_object_ref_gen())
+        if len(refs) != 3:
+            # The stream ended early: its last object holds the failure (the chunk's own error, or the
+            # replica's death), which awaiting it raises.
+            for ref in refs:
+                await ref
+            raise RuntimeError(f"the replica yielded {len(refs)} of a chunk's 3 parts")
+        header, images, transitions = refs
+        return SampledChunk(await header, images, transitions)
+
     async def rollout(self, request: RolloutRequest | dict) -> TrajectoryBatch:
-        """The trainer's entry: a TrajectoryBatch of tensors. Raises InvalidRequestError & co."""
+        """The trainer's entry: a TrajectoryBatch whose tensors the trainer fetches. Raises
+        InvalidRequestError & co."""
         started = time.perf_counter()
         outcome = "error"
         try:
@@ -159,22 +176,8 @@ class TokenizerIngress:
                     raise InvalidRequestError.from_validation(exc) from None
             # Tokenizing is CPU work; a thread keeps the event loop free (the processor locks the tokenizer).
             plan = await asyncio.to_thread((await self.planner()).plan, request)
-            stream = ScoreStream(plan.prompts, plan.group_size, **await self.scoring())
-            streaming = self.config.aggregator.score_while_sampling
-
-            async def sample_and_score(chunk: RolloutChunk) -> tuple[Trajectory, list[GroupScores]]:
-                trajectory = await self.sample(chunk)
-                return trajectory, (await self.score(stream.add(trajectory)) if streaming else [])
-
-            done = await _all_or_cancel([sample_and_score(chunk) for chunk in plan.chunks])
-            trajectories = [trajectory for trajectory, _ in done]
-            scores = [part for _, parts in done for part in parts]
-            if not streaming:
-                scores = await self.score([job for t in trajectories for job in stream.add(t)])
-            batch = await self.aggregator.collect.remote(
-                plan.prompts, plan.group_size, plan.request_id, scores, *trajectories
-            )
-            batch.metrics["rollout_seconds"] = time.perf_counter() - started
+            batch = await (await self.coordinator()).run(plan.chunks, plan.prompts, plan.group_size,
+                                                         request_id=plan.request_id)
             outcome = "ok"
             return batch
         finally:
@@ -191,7 +194,8 @@ class TokenizerIngress:
             if status >= 500:
                 logger.exception("rollout request failed with %d", status)
             return JSONResponse(status_code=status, content=body)
-        return to_response(batch, return_images=request.return_images)
+        images = await batch.fetch_images_async() if request.return_images else None
+        return to_response(batch, images=images)
 
     @api.get("/healthz")
     async def healthz(self) -> dict:

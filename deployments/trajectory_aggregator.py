@@ -1,5 +1,6 @@
 """TrajectoryAggregator: a thin Serve shell over TrajectoryAssembler (score chunks as they arrive,
-whole groups, advantages), with each reward's calls, retries, failures and dropped groups as metrics."""
+whole groups, advantages), with each reward's calls, retries, failures and dropped groups as metrics.
+It reads the chunks' images and headers, never their transitions."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from serve_app.config import RolloutConfig
 from serve_app.errors import WeightMismatchError
 from serve_app.serving.options import check_running_options
 from serve_app.rewards.composite import CompositeReward, RemoteReward
-from serve_app.schemas import GroupScores, ScoreJob, Trajectory, TrajectoryBatch
+from serve_app.schemas import BatchLayout, ChunkHeader, GroupScores, ScoreJob
 from serve_app.weights import open_weight_store
 
 logger = logging.getLogger("ray.serve")
@@ -91,23 +92,21 @@ class TrajectoryAggregator:
         """One part of a group (or a whole group) scored; RewardError when a reward failed closed."""
         return await self.assembler.score(job)
 
-    async def collect(
-        self, prompts: list[str], group_size: int, request_id: str, scores: list[GroupScores], *chunks: Trajectory
-    ) -> TrajectoryBatch:
-        """The chunks' trajectories, sampled and checked by the ingress, and their scores into one TrajectoryBatch."""
+    async def collect(self, prompts: list[str], group_size: int, scores: list[GroupScores],
+                      headers: list[ChunkHeader]) -> BatchLayout:
+        """The chunks' headers and their scores -> the batch's rows, rewards and advantages (the chunks'
+        tensors never come here: the images were fetched to score them, the transitions go to the trainer)."""
         try:
-            batch = await asyncio.to_thread(
-                self.assembler.finish, chunks, scores, prompts, group_size, request_id=request_id
-            )
+            layout = await asyncio.to_thread(self.assembler.finish, headers, scores, prompts, group_size)
         except WeightMismatchError:
             self.weight_mismatches.inc(tags={"where": "aggregator"})
             raise
         keys = {name: key for key, name in self._reward_names.items()}
-        for group, why in batch.dropped_groups.items():
+        for group, why in layout.dropped_groups.items():
             failed = next((s.failed_reward for s in scores if s.prompt_index == group and s.failed_reward), None)
             self.reward_metrics.dropped_groups.inc(tags={"reward": keys.get(failed or "", failed or "unknown")})
-            logger.warning("request %s: dropped group %d: %s", request_id, group, why)
-        self.reward_mean.set(batch.metrics["reward_mean"])
-        self.tied_groups.set(batch.metrics["tied_group_fraction"])
-        self.groups_collected.inc(len(prompts) - len(batch.dropped_groups))
-        return batch
+            logger.warning("dropped group %d (%s): %s", group, prompts[group], why)
+        self.reward_mean.set(layout.metrics["reward_mean"])
+        self.tied_groups.set(layout.metrics["tied_group_fraction"])
+        self.groups_collected.inc(len(prompts) - len(layout.dropped_groups))
+        return layout

@@ -30,14 +30,15 @@ def lost_with_a_replica(exc: BaseException) -> bool:
     Ray re-raises a remote error as a RayTaskError that is also an instance of its cause's type where it
     can build one, so both the error and its `cause` are looked at.
     """
-    from ray.exceptions import RayActorError
+    from ray.exceptions import ObjectLostError, RayActorError
     from ray.serve.exceptions import ReplicaUnavailableError as ServeReplicaUnavailableError
 
     # RayActorError covers ActorDiedError and ActorUnavailableError (the actor's node is gone or
     # unreachable); Serve's own ReplicaUnavailableError is its router's word for the same; ours (HTTP 503)
-    # is the ingress's, after its chunk re-runs were used up. A 4xx-type error (InvalidRequestError,
-    # PolicyVersionError) is the request's fault and is never among them.
-    lost = (RayActorError, ServeReplicaUnavailableError, ReplicaUnavailableError)
+    # is the ingress's, after its chunk re-runs were used up; ObjectLostError is a sampled chunk's tensors
+    # lost with the node that held them. A 4xx-type error (InvalidRequestError, PolicyVersionError) is the
+    # request's fault and is never among them.
+    lost = (RayActorError, ServeReplicaUnavailableError, ReplicaUnavailableError, ObjectLostError)
     return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
 
 
@@ -103,10 +104,18 @@ class RolloutClient:
         seed: int | None = None,
         *,
         timeout_s: float | None = None,
+        fetch: bool = True,
     ) -> TrajectoryBatch:
+        """The batch of one request. With `fetch` (the trainer's case) its transitions are fetched into
+        this process before it returns, inside the retry: a batch whose tensors were lost with their node is
+        asked for again. Without, nothing heavy is fetched until used (an evaluation reads images only)."""
         request = self._request(prompts, group_size, sampling, policy_version, seed)
-        return self.retry.call(lambda: self.handle.rollout.remote(request).result(timeout_s=timeout_s),
-                               retryable=lost_with_a_replica, on_retry=self._lost)
+
+        def attempt() -> TrajectoryBatch:
+            batch = self.handle.rollout.remote(request).result(timeout_s=timeout_s)
+            return batch.fetch() if fetch else batch
+
+        return self.retry.call(attempt, retryable=lost_with_a_replica, on_retry=self._lost)
 
     async def rollout_async(
         self,
@@ -115,10 +124,16 @@ class RolloutClient:
         sampling: Sampling | None = None,
         policy_version: int | None = None,
         seed: int | None = None,
+        fetch: bool = True,
     ) -> TrajectoryBatch:
+        """:meth:`rollout` for asyncio code."""
         request = self._request(prompts, group_size, sampling, policy_version, seed)
-        return await self.retry.call_async(lambda: self.handle.rollout.remote(request), retryable=lost_with_a_replica,
-                                           on_retry=self._lost)
+
+        async def attempt() -> TrajectoryBatch:
+            batch = await self.handle.rollout.remote(request)
+            return await batch.fetch_async() if fetch else batch
+
+        return await self.retry.call_async(attempt, retryable=lost_with_a_replica, on_retry=self._lost)
 
     def _lost(self, exc: BaseException, failed_calls: int) -> None:
         self.lost_rollouts += 1

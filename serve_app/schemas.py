@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from serve_app.stored import Stored, resolve, resolve_async
+
 # What a trajectory sampled with version 0 (the base checkpoint, no published tensors) is stamped with.
 BASE_HASH = "base"
 
@@ -235,7 +237,9 @@ class Trajectory:
     log_probs:        [B, K] float32 log-probs of each stochastic transition.
     sigmas:           [N+1] float32 the full schedule (N = num_steps).
     step_indices:     [K] long, which steps of the schedule are stochastic (the SDE window).
-    images:           [B, 3, H, W] uint8 decoded images; [B, F, 3, H, W] for a video family.
+    images:           [B, 3, H, W] uint8 decoded images; [B, F, 3, H, W] for a video family; None in the
+                      transitions a trainer replays (images travel apart, to the rewards, and to the trainer
+                      only when it asks: TrajectoryBatch.images).
     seeds:            [B] long per-sample seeds.
     prompt_embeds:    conditioning once per distinct prompt (P rows); `embed_row` [B] maps a sample to its row
                       (a function of prompt_index: samples of one prompt share their row).
@@ -254,7 +258,7 @@ class Trajectory:
     log_probs: torch.Tensor
     sigmas: torch.Tensor
     step_indices: torch.Tensor
-    images: torch.Tensor
+    images: torch.Tensor | None
     seeds: torch.Tensor
     prompt_embeds: PromptEmbeds
     embed_row: torch.Tensor
@@ -267,6 +271,10 @@ class Trajectory:
 
     def __len__(self) -> int:
         return int(self.seeds.shape[0])
+
+    def without_images(self) -> Trajectory:
+        """The transitions alone: what a trainer replays."""
+        return replace(self, images=None)
 
     def take(self, rows: torch.Tensor | slice) -> Trajectory:
         """The samples at ``rows`` (a [n] long index or a slice), as new tensors.
@@ -285,7 +293,7 @@ class Trajectory:
             self,
             latents=self.latents[index].clone(),
             log_probs=self.log_probs[index].clone(),
-            images=self.images[index].clone(),
+            images=None if self.images is None else self.images[index].clone(),
             seeds=self.seeds[index].clone(),
             prompt_embeds=self.prompt_embeds.select(self.embed_row[first]),
             embed_row=slot,
@@ -310,18 +318,92 @@ class Trajectory:
         for p in parts[1:]:
             if not (torch.equal(p.sigmas, first.sigmas) and torch.equal(p.step_indices, first.step_indices)):
                 raise ValueError("cannot concatenate trajectories with different schedules or SDE windows")
+        if len({p.images is None for p in parts}) > 1:
+            raise ValueError("cannot concatenate trajectories with images and trajectories without")
         offsets = torch.tensor([0] + [len(p.prompt_embeds) for p in parts[:-1]]).cumsum(0)
         return replace(
             first,
             latents=torch.cat([p.latents for p in parts]),
             log_probs=torch.cat([p.log_probs for p in parts]),
-            images=torch.cat([p.images for p in parts]),
+            images=None if first.images is None else torch.cat([p.images for p in parts]),
             seeds=torch.cat([p.seeds for p in parts]),
             prompt_embeds=PromptEmbeds.cat([p.prompt_embeds for p in parts]),
             embed_row=torch.cat([p.embed_row + int(off) for p, off in zip(parts, offsets)]),
             prompt_index=torch.cat([p.prompt_index for p in parts]),
             sample_index=torch.cat([p.sample_index for p in parts]),
         )
+
+
+@dataclass
+class ChunkHeader:
+    """What the ingress and the aggregator read of a sampled chunk: which samples it holds, their seeds
+    and log-probs (the HTTP answer reports them), the version and the weights hash they were sampled
+    with. Small: the chunk's tensors travel apart (:class:`SampledChunk`).
+
+    prompt_index, sample_index, seeds: [n] long; log_probs: [n, K] float32.
+    """
+
+    prompt_index: torch.Tensor
+    sample_index: torch.Tensor
+    seeds: torch.Tensor
+    log_probs: torch.Tensor
+    policy_version: int
+    weights_hash: str
+    sampled_by: str = ""  # the replica that sampled the chunk (its Serve replica id), for logs and tests
+
+    def __len__(self) -> int:
+        return int(self.seeds.shape[0])
+
+    @staticmethod
+    def of(trajectory: Trajectory, *, sampled_by: str = "") -> ChunkHeader:
+        return ChunkHeader(trajectory.prompt_index, trajectory.sample_index, trajectory.seeds, trajectory.log_probs,
+                           trajectory.policy_version, trajectory.weights_hash, sampled_by)
+
+    @staticmethod
+    def cat(parts: Sequence[ChunkHeader]) -> ChunkHeader:
+        versions = {(p.policy_version, p.weights_hash) for p in parts}
+        if len(versions) != 1:
+            raise ValueError(f"chunks sampled under different policy versions or weights: {sorted(versions)}")
+        return ChunkHeader(*(torch.cat([getattr(p, name) for p in parts])
+                             for name in ("prompt_index", "sample_index", "seeds", "log_probs")),
+                           parts[0].policy_version, parts[0].weights_hash)
+
+
+@dataclass
+class SampledChunk:
+    """One chunk as it travels from the replica that sampled it: the header as a value, and its images
+    (uint8 [n, 3, H, W] or [n, F, 3, H, W]) and transitions (a Trajectory without images) each a
+    value in one process, or a Ray ObjectRef on a cluster (serve_app.stored), resolved only where used:
+    the images by the rewards, the transitions by the trainer."""
+
+    header: ChunkHeader
+    images: Stored
+    transitions: Stored
+
+    def __len__(self) -> int:
+        return len(self.header)
+
+    @staticmethod
+    def of(trajectory: Trajectory) -> SampledChunk:
+        """A chunk held by value (in one process)."""
+        return SampledChunk(ChunkHeader.of(trajectory), trajectory.images, trajectory.without_images())
+
+
+@dataclass
+class BatchLayout:
+    """The aggregator's answer for a request: which rows form the batch and what they scored.
+
+    rows: [B] long index into the request's chunks' samples concatenated in chunk order, giving the
+        batch's order (prompt_index, sample_index), without the dropped groups.
+    rewards: per reward key [B] float32 (the weighted sum under "total"); advantages: [B] float32.
+    """
+
+    rows: torch.Tensor
+    rewards: dict[str, torch.Tensor]
+    advantages: torch.Tensor
+    metrics: dict[str, float]
+    policy_version: int
+    dropped_groups: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -335,39 +417,108 @@ class TrajectoryBatch:
     dropped_groups: {prompt index: why} of the groups a reward with `on_error: drop_group` failed to
         score; they are not in the batch (rows hold the kept groups in order, prompt_index keeps the
         request's numbering) and advantages are computed over the kept groups only.
+
+    The samples' tensors stay where they were made until asked for: :attr:`transitions` (what the
+    trainer replays) and :attr:`images` are fetched once each, on first use, in the asking process;
+    :attr:`trajectory` is both.
     """
 
-    trajectory: Trajectory
+    chunks: list[SampledChunk]
+    rows: torch.Tensor
     prompts: list[str]
     group_size: int
     rewards: dict[str, torch.Tensor]
     advantages: torch.Tensor
     metrics: dict[str, float]
     request_id: str
+    policy_version: int
     dropped_groups: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.trajectory)
+        return int(self.rows.shape[0])
+
+    @staticmethod
+    def of(trajectory: Trajectory, prompts: Sequence[str], group_size: int, rewards: dict[str, torch.Tensor],
+           advantages: torch.Tensor, metrics: dict[str, float], request_id: str, *,
+           dropped_groups: dict[int, str] | None = None) -> TrajectoryBatch:
+        """A batch of one trajectory already in batch order, held by value."""
+        return TrajectoryBatch([SampledChunk.of(trajectory)], torch.arange(len(trajectory)), list(prompts), group_size,
+                               rewards, advantages, metrics, request_id, trajectory.policy_version,
+                               dropped_groups or {})
 
     @property
-    def policy_version(self) -> int:
-        return self.trajectory.policy_version
+    def header(self) -> ChunkHeader:
+        """Ids, seeds and log-probs of the batch's rows (no tensor is fetched)."""
+        merged = ChunkHeader.cat([c.header for c in self.chunks])
+        return ChunkHeader(merged.prompt_index[self.rows], merged.sample_index[self.rows], merged.seeds[self.rows],
+                           merged.log_probs[self.rows], merged.policy_version, merged.weights_hash)
+
+    @property
+    def transitions(self) -> Trajectory:
+        """The batch's trajectory without images (fetched here once, then kept)."""
+        if "_transitions" not in self.__dict__:
+            self._keep_transitions([resolve(c.transitions) for c in self.chunks])
+        return self.__dict__["_transitions"]
+
+    @property
+    def images(self) -> torch.Tensor:
+        """uint8 [B, 3, H, W] (videos [B, F, 3, H, W]), fetched here once, then kept."""
+        if "_images" not in self.__dict__:
+            self._keep_images([resolve(c.images) for c in self.chunks])
+        return self.__dict__["_images"]
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The transitions with their images."""
+        return replace(self.transitions, images=self.images)
+
+    def fetch(self, *, images: bool = False) -> TrajectoryBatch:
+        """Fetch the transitions (and the images) now; returns self."""
+        _ = self.transitions
+        if images:
+            _ = self.images
+        return self
+
+    async def fetch_async(self, *, images: bool = False) -> TrajectoryBatch:
+        """:meth:`fetch` without blocking the event loop."""
+        if "_transitions" not in self.__dict__:
+            self._keep_transitions([await resolve_async(c.transitions) for c in self.chunks])
+        if images:
+            await self.fetch_images_async()
+        return self
+
+    async def fetch_images_async(self) -> torch.Tensor:
+        """:attr:`images` without blocking the event loop (inside a deployment)."""
+        if "_images" not in self.__dict__:
+            self._keep_images([await resolve_async(c.images) for c in self.chunks])
+        return self.__dict__["_images"]
+
+    def _keep_transitions(self, parts: list[Trajectory]) -> None:
+        self.__dict__["_transitions"] = Trajectory.cat(parts).take(self.rows)
+
+    def _keep_images(self, parts: list[torch.Tensor]) -> None:
+        self.__dict__["_images"] = torch.cat(parts)[self.rows]
 
 
 @dataclass
 class ScoreJob:
-    """Samples of one prompt's group to score, sent by the ingress as chunks arrive: a chunk's part of
-    the group for the per-sample rewards, or (``whole_group``) all G samples in sample order for the
-    groupwise rewards, once the group's last sample is in.
+    """Samples of one prompt's group to score, cut by the ingress from chunks as they arrive: a chunk's
+    part of the group for the per-sample rewards, or (``whole_group``) all G samples in sample order for
+    the groupwise rewards, once the group's last sample is in.
 
-    sample_index: [n] long; images: [n, 3, H, W] uint8 (videos: [n, F, 3, H, W]).
+    sample_index: [n] long, in the order of the parts' rows concatenated.
+    parts: (images of a chunk, stored as it travels; [m] long rows of that chunk) per chunk holding some.
     """
 
     prompt_index: int
     prompt: str
     sample_index: torch.Tensor
-    images: torch.Tensor
+    parts: list[tuple[Stored, torch.Tensor]]
     whole_group: bool
+
+    async def images(self) -> torch.Tensor:
+        """uint8 [n, 3, H, W] (videos [n, F, 3, H, W]) of the job's samples, fetched where it is scored."""
+        return torch.cat([(await resolve_async(images))[rows] for images, rows in self.parts])
 
 
 @dataclass

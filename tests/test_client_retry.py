@@ -17,9 +17,29 @@ from serve_app.errors import InvalidRequestError, PolicyVersionError, ReplicaUna
 from serve_app.retry import RetryPolicy
 
 
+class _Batch(str):
+    """A batch as the handle answers it, its tensors still where they were made: `fetch` brings them, or
+    raises `lost` (their node died after the rollout returned)."""
+
+    def __new__(cls, name: str, lost: BaseException | None = None):
+        batch = super().__new__(cls, name)
+        batch.lost = lost
+        batch.fetched = False
+        return batch
+
+    def fetch(self):
+        if self.lost is not None:
+            raise self.lost
+        self.fetched = True
+        return self
+
+    async def fetch_async(self):
+        return self.fetch()
+
+
 class _Response:
     def __init__(self, outcome):
-        self.outcome = outcome
+        self.outcome = _Batch(outcome) if type(outcome) is str else outcome
 
     def result(self, timeout_s=None):
         if isinstance(self.outcome, BaseException):
@@ -122,3 +142,17 @@ def test_the_async_rollout_follows_the_same_policy():
     with pytest.raises(PolicyVersionError):
         asyncio.run(RolloutClient(handle=handle, retry=no_wait(2)).rollout_async(["a"], 2, policy_version=1))
     assert len(handle.requests) == 1
+
+
+def test_a_batch_whose_tensors_were_lost_with_their_node_is_asked_for_again():
+    from ray.exceptions import ObjectLostError
+
+    lost = ObjectLostError("6e1f", "owner", "lost with node 10.0.0.7")
+    handle = _ScriptedHandle(_Batch("the first batch", lost=lost), "the batch")
+    client = RolloutClient(handle=handle, retry=no_wait(2))
+    batch = client.rollout(["a"], 2, seed=5, policy_version=1)
+    assert batch == "the batch" and batch.fetched and client.lost_rollouts == 1
+    assert handle.requests[0] == handle.requests[1]
+    # Without fetching (an evaluation's images only), the batch comes back as it is.
+    unfetched = RolloutClient(handle=_ScriptedHandle("a batch"), retry=no_wait(1)).rollout(["a"], 2, fetch=False)
+    assert not unfetched.fetched

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from serve_app.serving.aggregator import TrajectoryAssembler, merge_chunks
+from serve_app.serving.aggregator import TrajectoryAssembler, batch_order
+from serve_app.serving.coordinator import RolloutCoordinator, engine_sample_call
 from serve_app.config import AdvantageConfig, IngressConfig
 from serve_app.serving.engine import DiffusersEngine
 from serve_app.errors import (
@@ -19,8 +20,10 @@ from serve_app.flowgrpo.sampler import sample_group
 from serve_app.serving.ingress import RolloutPlanner
 from serve_app.policies.base import ImageGeometry
 from serve_app.rewards import CompositeReward, RewardError, RewardSpec
-from serve_app.schemas import RolloutRequest, SamplingParams
+from serve_app.schemas import ChunkHeader, RolloutRequest, SamplingParams, Trajectory
 from serve_app.weights import LoraSpec, WeightStore
+
+from tests.collect import collect
 
 SAMPLING = SamplingParams(height=32, width=32, num_steps=4, guidance_scale=4.0, noise_level=1.0,
                           sde_window_size=2, sde_window_range=(0, 2))
@@ -92,8 +95,8 @@ def test_threads_tokenize_concurrently_without_errors(planner):
 def test_engine_and_assembler_reproduce_the_in_process_rollout(planner, engine, assembler, tiny_policy):
     request = RolloutRequest(prompts=["a cat", "a dog"], group_size=4, seed=11)
     plan = planner.plan(request)
-    chunk_trajectories = [t for c in plan.chunks for t in engine.generate([c])[0]]
-    batch = assembler.assemble(chunk_trajectories, plan.prompts, plan.group_size, request_id=plan.request_id)
+    coordinator = RolloutCoordinator.in_process(assembler, sample=engine_sample_call(engine))
+    batch = coordinator.run_sync(plan.chunks, plan.prompts, plan.group_size, request_id=plan.request_id)
     reference = sample_group(
         tiny_policy, planner.text_processor.tokenize(plan.prompts), 4, plan.chunks[0].sampling, policy_version=0
     )
@@ -131,8 +134,9 @@ def test_chunks_of_requests_with_other_seeds_fuse_and_keep_their_own_sampling(pl
     assert len(stats) == 1 and stats[0].images == 5
     assert [r.sampling.seed for r in results] == [1, 2]
     (rest,), _ = engine.generate([tail])
-    merged = merge_chunks([results[1], rest], 1, 4)  # raises if the chunks' stamps differ
-    assert merged.sampling == head.sampling and merged.sample_index.tolist() == [0, 1, 2, 3]
+    merged = Trajectory.cat([results[1], rest])  # raises if the chunks' stamps or sampling differ
+    header, rows = batch_order([ChunkHeader.of(results[1]), ChunkHeader.of(rest)], 1, 4)
+    assert merged.sampling == head.sampling and header.sample_index[rows].tolist() == [0, 1, 2, 3]
 
 
 def test_planner_and_engine_reject_an_unpublished_version(planner, engine):
@@ -209,10 +213,11 @@ def test_unusable_text_and_floats_are_rejected_naming_the_field(planner, request
 def test_merge_rejects_missing_and_duplicated_samples(planner, engine):
     plan = planner.plan(RolloutRequest(prompts=["a", "b"], group_size=3, seed=1))
     chunks = engine.generate(plan.chunks)[0]
+    headers = [ChunkHeader.of(c) for c in chunks]
     with pytest.raises(GroupIncompleteError, match="missing"):
-        merge_chunks(chunks[:-1], 2, 3)
+        batch_order(headers[:-1], 2, 3)
     with pytest.raises(GroupIncompleteError, match="duplicated"):
-        merge_chunks([*chunks, chunks[0]], 2, 3)
+        batch_order([*headers, headers[0]], 2, 3)
 
 
 def test_failing_reward_names_reward_and_prompt(planner, engine):
@@ -229,7 +234,7 @@ def test_failing_reward_names_reward_and_prompt(planner, engine):
         failing = TrajectoryAssembler(CompositeReward([RewardSpec(name="broken_reward_mod:broken")]), AdvantageConfig())
         plan = planner.plan(RolloutRequest(prompts=["a red cube"], group_size=2, seed=1))
         with pytest.raises(RewardError, match="a red cube") as info:
-            failing.assemble(engine.generate(plan.chunks)[0], plan.prompts, 2, request_id=plan.request_id)
+            collect(failing, engine.generate(plan.chunks)[0], plan.prompts, 2)
         assert "broken" in str(info.value)
     finally:
         del sys.modules["broken_reward_mod"]
@@ -275,7 +280,7 @@ def test_latest_is_resolved_once_per_request(own_policy, assembler, tmp_path):
     first = versions_engine.generate(plan.chunks[:1])[0]
     store.publish(2, lora, kind="lora", lora=_SPEC)
     rest = versions_engine.generate(plan.chunks[1:])[0]
-    batch = assembler.assemble([*first, *rest], plan.prompts, plan.group_size, request_id=plan.request_id)
+    batch = collect(assembler, [*first, *rest], plan.prompts, plan.group_size)
     assert batch.policy_version == 1
 
 

@@ -14,6 +14,8 @@ from serve_app.serving.ingress import RolloutPlanner
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import LoraSpec, WeightStore
 
+from tests.collect import collect
+
 SAMPLING = SamplingParams(height=32, width=32, num_steps=3, guidance_scale=1.0, noise_level=1.0,
                           sde_window_size=None)
 LORA = LoraSpec(rank=2, alpha=2.0, target_modules=["proj_out"])
@@ -153,7 +155,7 @@ def test_the_aggregator_refuses_a_stamp_the_store_did_not_publish(setup):
     plan = planner.plan(RolloutRequest(prompts=["a cat"], group_size=2, seed=3, policy_version=1))
     chunks, _ = engine.generate(plan.chunks)
     assembler = TrajectoryAssembler(CompositeReward([RewardSpec(name="brightness")]), AdvantageConfig(), store=store)
-    assert assembler.assemble(chunks, plan.prompts, 2, request_id="ok").policy_version == 1
+    assert collect(assembler, chunks, plan.prompts, 2, request_id="ok").policy_version == 1
     forged = [dataclasses.replace(c, weights_hash="0" * 64) for c in chunks]
     with pytest.raises(WeightMismatchError, match="policy version 1 was sampled with weights 000000000000"):
-        assembler.assemble(forged, plan.prompts, 2, request_id="forged")
+        collect(assembler, forged, plan.prompts, 2, request_id="forged")

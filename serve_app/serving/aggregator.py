@@ -1,14 +1,15 @@
 """The aggregator's logic: score each chunk's samples as they arrive (groupwise rewards once their
-group is whole), put the chunks back together into whole groups, drop the groups a reward failed on
-where the config allows it, compute group-relative advantages over the rest.
+group is whole), check that the chunks make whole groups, drop the groups a reward failed on where the
+config allows it, compute group-relative advantages over the rest.
 
-The ingress cuts arriving trajectories into ScoreJobs with a ScoreStream; the aggregator scores each
-job (TrajectoryAssembler.score) and, once every chunk is in, assembles the batch (finish).
+It reads images (to score them) and chunk headers (ids, version, weights hash), never the transitions:
+those go from the replica to the trainer by reference. The coordinator cuts arriving chunks into
+ScoreJobs with a ScoreStream; the aggregator scores each job (TrajectoryAssembler.score) and, once every
+chunk is in, lays out the batch (finish).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,23 +20,25 @@ from serve_app.config import AdvantageConfig
 from serve_app.errors import GroupIncompleteError
 from serve_app.flowgrpo.advantages import group_advantages, tied_group_fraction
 from serve_app.rewards.composite import TOTAL_KEY, CompositeReward, RewardError, RewardObserver
-from serve_app.schemas import GroupScores, ScoreJob, Trajectory, TrajectoryBatch
+from serve_app.schemas import BatchLayout, ChunkHeader, GroupScores, SampledChunk, ScoreJob
+from serve_app.stored import Stored
 from serve_app.weights import VersionStore, check_weights_hash
 
 
-def merge_chunks(trajectories: Sequence[Trajectory], num_prompts: int, group_size: int) -> Trajectory:
-    """Concatenate chunk trajectories, check every group is whole, order rows by (prompt, sample).
+def batch_order(headers: Sequence[ChunkHeader], num_prompts: int, group_size: int) -> tuple[ChunkHeader, torch.Tensor]:
+    """The chunks' headers concatenated, and the [P*G] rows of that concatenation in (prompt, sample) order.
 
-    The result holds each prompt's embeddings once, in prompt order (embed_row == prompt_index).
+    Raises:
+        GroupIncompleteError: no chunks, chunks of different versions, or a group that is not whole.
     """
-    if not trajectories:
-        raise GroupIncompleteError("no trajectories to merge")
-    versions = {t.policy_version for t in trajectories}
+    if not headers:
+        raise GroupIncompleteError("no chunks to collect")
+    versions = sorted({h.policy_version for h in headers})
     if len(versions) != 1:
-        raise GroupIncompleteError(f"chunks of one request were sampled under different policy versions {sorted(versions)}")
-    merged = Trajectory.cat(trajectories)
+        raise GroupIncompleteError(f"chunks of one request were sampled under different policy versions {versions}")
+    merged = ChunkHeader.cat(headers)
     _check_whole_groups(merged.prompt_index, merged.sample_index, num_prompts, group_size)
-    return merged.take(torch.argsort(merged.prompt_index * group_size + merged.sample_index))
+    return merged, torch.argsort(merged.prompt_index * group_size + merged.sample_index)
 
 
 def _check_whole_groups(prompt_index: torch.Tensor, sample_index: torch.Tensor, num_prompts: int, group_size: int) -> None:
@@ -58,11 +61,12 @@ def _check_whole_groups(prompt_index: torch.Tensor, sample_index: torch.Tensor, 
 
 
 class ScoreStream:
-    """One request's arriving chunk trajectories -> ScoreJobs.
+    """One request's arriving chunks -> ScoreJobs.
 
     Per-sample rewards get a job per (chunk, group) part as soon as the chunk arrives, so a failure
     names its prompt and a chunk holding parts of several groups is scored at once; groupwise
-    rewards get one job per group when its last sample arrives (a group may span chunks).
+    rewards get one job per group when its last sample arrives (a group may span chunks). Jobs name
+    the chunk's images and their rows; the images are fetched where the job is scored.
     """
 
     def __init__(self, prompts: Sequence[str], group_size: int, *, per_sample: bool = True, groupwise: bool = False) -> None:
@@ -70,27 +74,36 @@ class ScoreStream:
         self.group_size = group_size
         self.per_sample = per_sample
         self.groupwise = groupwise
-        self._waiting: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # group -> (samples, images) parts
+        self._waiting: dict[int, list[tuple[torch.Tensor, Stored, torch.Tensor]]] = {}  # group -> parts
 
-    def add(self, trajectory: Trajectory) -> list[ScoreJob]:
-        jobs = []
-        for p in torch.unique(trajectory.prompt_index).tolist():
-            rows = (trajectory.prompt_index == p).nonzero().flatten()
-            samples, images = trajectory.sample_index[rows], trajectory.images[rows]
+    def add(self, chunk: SampledChunk) -> list[ScoreJob]:
+        header, jobs = chunk.header, []
+        for p in torch.unique(header.prompt_index).tolist():
             if not 0 <= p < len(self.prompts):
                 raise GroupIncompleteError(f"a chunk holds samples of prompt {p}, outside the request's {len(self.prompts)}")
+            rows = (header.prompt_index == p).nonzero().flatten()
+            samples = header.sample_index[rows]
             if self.per_sample:
-                jobs.append(ScoreJob(p, self.prompts[p], samples, images, whole_group=False))
+                jobs.append(ScoreJob(p, self.prompts[p], samples, [(chunk.images, rows)], whole_group=False))
             if self.groupwise:
                 parts = self._waiting.setdefault(p, [])
-                parts.append((samples, images))
-                if sum(len(s) for s, _ in parts) >= self.group_size:
+                parts.append((samples, chunk.images, rows))
+                if sum(len(s) for s, _, _ in parts) >= self.group_size:
                     del self._waiting[p]
-                    samples = torch.cat([s for s, _ in parts])
-                    order = torch.argsort(samples)
-                    jobs.append(ScoreJob(p, self.prompts[p], samples[order], torch.cat([i for _, i in parts])[order],
-                                         whole_group=True))
+                    jobs.append(self._whole_group(p, parts))
         return jobs
+
+    def _whole_group(self, prompt_index: int, parts: list[tuple[torch.Tensor, Stored, torch.Tensor]]) -> ScoreJob:
+        """The group's parts with each part's rows in sample order, the parts in order of their first sample."""
+        ordered = []
+        for samples, images, rows in sorted(parts, key=lambda part: int(part[0].min())):
+            order = torch.argsort(samples)
+            ordered.append((samples[order], images, rows[order]))
+        samples = torch.cat([s for s, _, _ in ordered])
+        if not torch.equal(samples, torch.sort(samples).values):
+            raise GroupIncompleteError(f"the samples of group {prompt_index} arrived interleaved across chunks")
+        return ScoreJob(prompt_index, self.prompts[prompt_index], samples, [(i, r) for _, i, r in ordered],
+                        whole_group=True)
 
 
 class TrajectoryAssembler:
@@ -112,15 +125,16 @@ class TrajectoryAssembler:
         """One job's values, or its group's drop. Raises RewardError (fail closed) when a reward with
         ``on_error: fail`` failed after its retries."""
         values, failure = await self.reward.score_part(
-            job.images, job.prompt, whole_group=job.whole_group, executor=self._pool, observer=self.observer
+            await job.images(), job.prompt, whole_group=job.whole_group, executor=self._pool, observer=self.observer
         )
         if failure is not None:
             return GroupScores(job.prompt_index, job.sample_index, {}, failure.reward_name, str(failure))
         return GroupScores(job.prompt_index, job.sample_index, values)
 
-    def finish(self, trajectories: Sequence[Trajectory], scores: Sequence[GroupScores], prompts: Sequence[str],
-               group_size: int, *, request_id: str) -> TrajectoryBatch:
-        """Whole groups with their scores -> TrajectoryBatch; groups a reward failed on are dropped.
+    def finish(self, headers: Sequence[ChunkHeader], scores: Sequence[GroupScores], prompts: Sequence[str],
+               group_size: int) -> BatchLayout:
+        """Whole groups with their scores -> the batch's rows, rewards and advantages; groups a reward
+        failed on are dropped.
 
         Raises:
             GroupIncompleteError: a group misses samples, or scores of a kept group are missing.
@@ -128,38 +142,37 @@ class TrajectoryAssembler:
             RewardError: every group was dropped.
         """
         started = time.perf_counter()
-        trajectory = merge_chunks(trajectories, len(prompts), group_size)
+        merged, rows = batch_order(headers, len(prompts), group_size)
         if self.store is not None:
-            check_weights_hash(trajectory, self.store)
+            check_weights_hash(merged, self.store)
         per_key, dropped, failed_rewards = self._gather_scores(scores, prompts, group_size)
         if len(dropped) == len(prompts):
             first = min(dropped)
             raise RewardError(failed_rewards[first], prompts[first],
                               f"every group of the request was dropped (on_error: drop_group); first: {dropped[first]}")
-        keep = ~torch.isin(trajectory.prompt_index, torch.tensor(sorted(dropped), dtype=torch.long))
-        if dropped:
-            trajectory = trajectory.take(keep.nonzero().flatten())
+        prompt_index = merged.prompt_index[rows]
+        keep = ~torch.isin(prompt_index, torch.tensor(sorted(dropped), dtype=torch.long))
+        rows, prompt_index = rows[keep], prompt_index[keep]
         rewards = {key: values[keep] for key, values in per_key.items()}
         total = self.reward.total(rewards)
         rewards[TOTAL_KEY] = total
         advantages = group_advantages(
-            total, trajectory.prompt_index, std_mode=self.advantage.std_mode, eps=self.advantage.eps, clip=self.advantage.clip
+            total, prompt_index, std_mode=self.advantage.std_mode, eps=self.advantage.eps, clip=self.advantage.clip
         )
         metrics = {
             "reward_mean": float(total.mean()),
             "reward_std": float(total.std(unbiased=False)),
-            "tied_group_fraction": tied_group_fraction(total, trajectory.prompt_index),
+            "tied_group_fraction": tied_group_fraction(total, prompt_index),
             "advantage_abs_mean": float(advantages.abs().mean()),
-            "num_samples": float(len(trajectory)),
+            "num_samples": float(len(rows)),
             "dropped_groups": float(len(dropped)),
-            "policy_version": float(trajectory.policy_version),
+            "policy_version": float(merged.policy_version),
             "aggregate_seconds": time.perf_counter() - started,
         }
         for key, value in rewards.items():
             if key != TOTAL_KEY:
                 metrics[f"reward_{key}_mean"] = float(value.mean())
-        return TrajectoryBatch(trajectory, list(prompts), group_size, rewards, advantages, metrics, request_id,
-                               dropped_groups=dict(sorted(dropped.items())))
+        return BatchLayout(rows, rewards, advantages, metrics, merged.policy_version, dict(sorted(dropped.items())))
 
     def _gather_scores(self, scores: Sequence[GroupScores], prompts: Sequence[str], group_size: int
                        ) -> tuple[dict[str, torch.Tensor], dict[int, str], dict[int, str]]:
@@ -195,18 +208,3 @@ class TrajectoryAssembler:
                     f"{int(count[row])} times, expected once"
                 )
         return values, dropped, failed_rewards
-
-    async def assemble_async(
-        self, trajectories: Sequence[Trajectory], prompts: Sequence[str], group_size: int, *, request_id: str
-    ) -> TrajectoryBatch:
-        """Score every chunk, then finish: what the service does, without a stream."""
-        stream = self.stream(prompts, group_size)
-        jobs = [job for t in trajectories for job in stream.add(t)]
-        scores = await asyncio.gather(*(self.score(job) for job in jobs))
-        return self.finish(trajectories, scores, prompts, group_size, request_id=request_id)
-
-    def assemble(
-        self, trajectories: Sequence[Trajectory], prompts: Sequence[str], group_size: int, *, request_id: str
-    ) -> TrajectoryBatch:
-        """assemble_async for callers without an event loop (tests, benchmarks, in-process rollouts)."""
-        return asyncio.run(self.assemble_async(trajectories, prompts, group_size, request_id=request_id))

@@ -192,25 +192,26 @@ def _check_text(text: str, field: str) -> None:
         raise InvalidRequestError(f"is not valid Unicode text ({exc.reason} at character {exc.start})", field) from None
 
 
-def to_response(batch: TrajectoryBatch, *, return_images: bool) -> RolloutResponse:
-    """JSON for people and other languages (trainers take the tensors by handle). With return_images,
-    each sample's image as a PNG, or its video ([F, 3, H, W] frames) as an H.264 MP4."""
-    t = batch.trajectory
+def to_response(batch: TrajectoryBatch, *, images: torch.Tensor | None) -> RolloutResponse:
+    """JSON for people and other languages (trainers take the tensors by handle). With `images` (the
+    batch's, fetched by the caller when the request asks for them), each sample's image as a PNG, or its
+    video ([F, 3, H, W] frames) as an H.264 MP4."""
+    header = batch.header
     total = batch.rewards[TOTAL_KEY]
-    videos = t.images.ndim == 5
-    images = png_base64(t.images) if return_images and not videos else None
+    videos = images is not None and images.ndim == 5
+    pngs = png_base64(images) if images is not None and not videos else None
     samples = [
         SampleOut(
-            prompt_index=int(t.prompt_index[i]),
-            sample_index=int(t.sample_index[i]),
-            seed=int(t.seeds[i]),
+            prompt_index=int(header.prompt_index[i]),
+            sample_index=int(header.sample_index[i]),
+            seed=int(header.seeds[i]),
             reward=float(total[i]),
             advantage=float(batch.advantages[i]),
-            log_probs=t.log_probs[i].tolist(),
-            image_png_base64=None if images is None else images[i],
-            video_mp4_base64=mp4_base64(t.images[i]) if return_images and videos else None,
+            log_probs=header.log_probs[i].tolist(),
+            image_png_base64=None if pngs is None else pngs[i],
+            video_mp4_base64=mp4_base64(images[i]) if videos else None,
         )
-        for i in range(len(t))
+        for i in range(len(batch))
     ]
     return RolloutResponse(
         policy_version=batch.policy_version, request_id=batch.request_id, samples=samples, metrics=batch.metrics,

@@ -211,10 +211,11 @@ class RunEvaluator:
         sampling = self.config.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed,
                                                        guidance_scale=validation.guidance_scale)
         per_prompt = self.samples_per_prompt(split)
+        # Images and ids only: an evaluation never fetches the transitions.
         batch = self.client.rollout(split_prompts, per_prompt, sampling=sampling, policy_version=version,
-                                    seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s)
-        images = batch.trajectory.images
-        prompts = [split_prompts[i] for i in batch.trajectory.prompt_index.tolist()]
+                                    seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s, fetch=False)
+        images, header = batch.images, batch.header
+        prompts = [split_prompts[i] for i in header.prompt_index.tolist()]
         row: dict[str, Any] = {
             "step": step, "split": split, "policy_version": version, "weights": weights,
             "train_minutes": train_minutes, "images_sampled": images_sampled,
@@ -226,7 +227,7 @@ class RunEvaluator:
             per_image = scores.per_image
             if per_image is None and self.evaluator.headline == "eval_reward_mean":
                 per_image = batch.rewards[TOTAL_KEY].tolist()  # the headline is the reward: each image's own
-            row.update(self._paired_change(split, step, prompts, batch.trajectory.seeds.tolist(), per_image))
+            row.update(self._paired_change(split, step, prompts, header.seeds.tolist(), per_image))
         shown = min(self.settings.grid_samples, per_prompt)
         keep = [i for i in range(len(prompts)) if i % per_prompt < shown]
         headline = self.evaluator.headline

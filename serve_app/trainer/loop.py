@@ -47,7 +47,7 @@ __all__ = ["FlowGRPOTrainer", "OnPolicyMismatchError", "RolloutSource", "Trainin
 
 class RolloutSource(Protocol):
     def rollout(self, prompts: list[str], group_size: int, sampling: Any = None, policy_version: int | None = None,
-                seed: int | None = None, *, timeout_s: float | None = None) -> TrajectoryBatch: ...
+                seed: int | None = None, *, timeout_s: float | None = None, fetch: bool = True) -> TrajectoryBatch: ...
 
 
 def load_trainer_policy(config: TrainerRunConfig) -> DiffusionPolicy:
@@ -183,7 +183,7 @@ class FlowGRPOTrainer:
         if self.telemetry is not None:
             self.telemetry.record(row, trainer_version=self.version)
         if cfg.image_every and step % cfg.image_every == 0:
-            save_image_grid(batch.trajectory.images, self.out / f"train_step{step:05d}.png", columns=cfg.group_size)
+            save_image_grid(batch.images, self.out / f"train_step{step:05d}.png", columns=cfg.group_size)
         self.images_sampled += len(batch)
         self.train_seconds += row["step_seconds"]
         if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == self.total_steps):
@@ -202,7 +202,7 @@ class FlowGRPOTrainer:
                     f"rollout {delivered.index}: asked for policy version {delivered.version}, "
                     f"the rollout is stamped {batch.policy_version}"
                 )
-            check_weights_hash(batch.trajectory, self.store)
+            check_weights_hash(batch.header, self.store)
             staleness = len(self.policy_versions) - 1 - self.policy_versions.index(batch.policy_version)
             if staleness <= self.cfg.max_staleness:
                 return delivered, staleness

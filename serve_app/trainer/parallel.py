@@ -125,12 +125,12 @@ class DataParallel:
         """
         if self.world_size == 1:
             assert batch is not None
-            return Shard(batch.trajectory, batch.advantages.float(), check_onpolicy)
+            return Shard(batch.transitions, batch.advantages.float(), check_onpolicy)
         shards: list[Shard] | None = None
         if self.is_leader:
             assert batch is not None
             advantages = batch.advantages.float()
-            shards = [Shard(batch.trajectory.take(rows), advantages[rows].clone(), check_onpolicy)
+            shards = [Shard(batch.transitions.take(rows), advantages[rows].clone(), check_onpolicy)
                       for rows in shard_rows(len(batch), batch.group_size, self.world_size)]
         received: list[Any] = [None]
         dist.scatter_object_list(received, shards, src=0)

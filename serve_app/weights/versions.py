@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
-from serve_app.schemas import BASE_HASH, Trajectory
+from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -108,8 +108,9 @@ def missing_version(version: int, kept: list[int]) -> PolicyVersionError:
     return PolicyVersionError(f"policy version {version} does not exist; available: 0 (base){held}")
 
 
-def check_weights_hash(trajectory: Trajectory, store: VersionStore) -> None:
-    """Raise WeightMismatchError unless the trajectory's stamp is the content hash published for its version."""
+def check_weights_hash(trajectory: Trajectory | ChunkHeader, store: VersionStore) -> None:
+    """Raise WeightMismatchError unless the stamp of a trajectory (or of a chunk's header) is the content hash
+    published for its version."""
     published = store.published_hash(trajectory.policy_version)
     if trajectory.weights_hash != published:
         raise WeightMismatchError(

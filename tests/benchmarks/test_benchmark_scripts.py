@@ -110,12 +110,18 @@ def test_gpu_rollout_tiny(flowgrpo_home):
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_bench_serve(flowgrpo_home):
-    report = run_script("bench_serve.py", "--repeats", "1", "--model", "tiny-qwen-image", "--size", "32",
-                        "--prompts", "1", "--group-size", "2", "--threads", "1")
+def test_bench_dataplane(flowgrpo_home):
+    report = run_script("bench_dataplane.py", "--sizes", "64", "--repeats", "1", "--group-size", "2")
     assert_finite(report)
-    assert report["throughput_ratio_served_over_in_process"]["median"] > 0
-    assert all(row["bytes_per_sample"] > 0 for row in report["trajectory_bytes"])
+    (size,) = report["sizes"]
+    assert size["throughput_ratio_served_over_in_process"]["median"] > 0
+    per_sample = size["trajectory_bytes_per_sample"]
+    moved = size["tensor_bytes_per_request"]
+    # By reference: the trainer unpickles the transitions, the aggregator the images it scores, and the
+    # ingress only the chunks' headers (ids, seeds, log-probs): less than one sample's tensors.
+    assert moved["trainer"]["deserialized"] > 0 and moved["aggregator"]["deserialized"] > 0
+    assert moved["ingress"]["deserialized"] < per_sample
+    assert moved["aggregator"]["deserialized"] < per_sample * size["samples_per_request"]
 
 
 @pytest.mark.slow

@@ -35,14 +35,14 @@ class InProcessSource:
         self.planner = RolloutPlanner(policy.text_processor(), IngressConfig(chunk_size=4), SAMPLING,
                                       policy.geometry, max_work=2**22)
 
-    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None):
+    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True):
         plan = self.planner.plan(RolloutRequest(prompts=list(prompts), group_size=group_size, seed=seed,
                                                 policy_version=policy_version))
         results, _ = self.engine.generate(plan.chunks)
         trajectory = Trajectory.cat(results)
         reward = trajectory.images.float().mean(dim=(1, 2, 3)) / 255.0
-        return TrajectoryBatch(trajectory, list(prompts), group_size, {TOTAL_KEY: reward},
-                               group_advantages(reward, trajectory.prompt_index).float(), {}, plan.request_id)
+        return TrajectoryBatch.of(trajectory, prompts, group_size, {TOTAL_KEY: reward},
+                                  group_advantages(reward, trajectory.prompt_index).float(), {}, plan.request_id)
 
 
 @pytest.fixture(scope="module")

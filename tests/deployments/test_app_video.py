@@ -87,7 +87,7 @@ def test_the_http_answer_carries_one_mp4_per_sample(batch):
     from deployments.tokenizer_ingress import to_response
     from serve_app.media import decode_mp4
 
-    answer = json.loads(to_response(batch, return_images=True).model_dump_json(exclude_none=True))
+    answer = json.loads(to_response(batch, images=batch.images).model_dump_json(exclude_none=True))
     assert len(answer["samples"]) == 6
     for sample, video in zip(answer["samples"], batch.trajectory.images):
         assert "image_png_base64" not in sample
@@ -97,7 +97,7 @@ def test_the_http_answer_carries_one_mp4_per_sample(batch):
         # mean level survives, pixels only roughly.
         torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), video.float().mean(dim=(1, 2, 3)), atol=3, rtol=0)
         assert float((decoded.float() - video.float()).abs().mean()) < 20
-    plain = json.loads(to_response(batch, return_images=False).model_dump_json(exclude_none=True))
+    plain = json.loads(to_response(batch, images=None).model_dump_json(exclude_none=True))
     assert "video_mp4_base64" not in plain["samples"][0]
 
 

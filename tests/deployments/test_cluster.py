@@ -209,14 +209,37 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
                 peak = max(peak, _running_replicas())
             pinned.append(futures[-1].result().trajectory)
     assert peak == 2
-    # Keep asking after the scale-up, so requests reach the new replica too.
+    # Keep asking after the scale-up, so requests reach the new replica too; these batches' tensors stay
+    # where the replicas made them (fetch=False) until after the scale-down.
     with ThreadPoolExecutor(4) as pool:
-        pinned += [b.trajectory for b in pool.map(lambda _: client.rollout(["a pinned cat"], 4, sampling, 1, 5), range(8))]
+        unfetched = list(pool.map(lambda _: client.rollout(["a pinned cat"], 4, sampling, 1, 5, fetch=False), range(8)))
+    sampled_by = {chunk.header.sampled_by for batch in unfetched for chunk in batch.chunks}
+    assert len(sampled_by) == 2, sampled_by  # both replicas sampled some of them
     for t in pinned:
         assert t.policy_version == 1
         torch.testing.assert_close(t.latents, reference.latents, atol=1e-5, rtol=0)
     _wait_for_replicas(1, timeout_s=90)
     assert _running_replicas() == 1
+    # The tensors a replica made outlive it: the ingress that asked for them owns them, not the replica.
+    deadline = time.monotonic() + 60
+    while len(_live_replica_ids()) > 1 and time.monotonic() < deadline:  # the stopping one shuts down
+        time.sleep(0.5)
+    gone = sampled_by - _live_replica_ids()
+    assert len(gone) == 1, (sampled_by, _live_replica_ids())
+    for batch in unfetched:
+        t = batch.trajectory
+        assert t.policy_version == 1
+        torch.testing.assert_close(t.latents, reference.latents, atol=1e-5, rtol=0)
+        assert torch.equal(t.images, reference.images)
+
+
+def _live_replica_ids() -> set[str]:
+    """The Serve ids of this app's live DiffusionReplica actors (named SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    import ray
+
+    prefix = "SERVE_REPLICA::flowgrpo#DiffusionReplica#"
+    return {e["name"][len(prefix):] for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["name"].startswith(prefix)}
 
 
 def _wait_for_replicas(count: int, *, timeout_s: float) -> None:

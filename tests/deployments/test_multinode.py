@@ -222,6 +222,7 @@ def _wait_for_metric(port: int, metric: str, accept, timeout_s: float = 30) -> l
 
 
 PROMPTS = ["a red circle", "two cats"]
+LARGE = {"height": 128, "width": 128}
 
 
 @pytest.mark.cluster
@@ -290,9 +291,9 @@ class _Recorder:
         self.client = client
         self.calls: list[_Call] = []
 
-    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None):
+    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True):
         lost = self.client.lost_rollouts
-        batch = self.client.rollout(prompts, group_size, sampling, policy_version, seed, timeout_s=timeout_s)
+        batch = self.client.rollout(prompts, group_size, sampling, policy_version, seed, timeout_s=timeout_s, fetch=fetch)
         self.calls.append(_Call(list(prompts), group_size, sampling, policy_version, seed, batch,
                                 self.client.lost_rollouts - lost))
         return batch
@@ -373,3 +374,44 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
         RolloutClient(APP).rollout(lost.prompts, lost.group_size, lost.sampling, lost.policy_version, lost.seed)
         time.sleep(1.5)  # metrics_report_interval_ms = 1000
     trainer.finish()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_trainer_on_its_own_node_fetches_the_transitions_from_the_replicas_nodes_alone(multinode):
+    """The data plane across nodes: the trainer's batch is what one process samples, and its transitions
+    go from the replicas' nodes to the trainer's; the ingress's node (the head) holds references only.
+    Last in the module: it adds a node the other tests' placement does not expect."""
+    import ray
+
+    from serve_app.app import AppArgs, run_local
+
+    multinode.cluster.add_node(**multinode.node_args(num_cpus=1, resources={"trainer_slot": 1}))
+
+    @ray.remote(num_cpus=0, resources={"trainer_slot": 1})
+    def trainer_side():
+        from serve_app.client import RolloutClient
+
+        # 128 px: a chunk's transitions (135 kB) exceed Ray's 100 kB inline limit, so they live in the object
+        # store of the node that made them, as a real model's do (smaller ones travel inline with their reference).
+        batch = RolloutClient(APP).rollout(PROMPTS, 4, LARGE, policy_version=0, seed=77)  # fetches the transitions
+        locations = ray.experimental.get_object_locations([chunk.transitions for chunk in batch.chunks])
+        return (ray.get_runtime_context().get_node_id(), [set(at["node_ids"]) for at in locations.values()],
+                batch.transitions)
+
+    trainer_node, held_on, got = ray.get(trainer_side.remote(), timeout=300)
+    replica_nodes = {node for node, _ in _replicas().values()}
+    assert trainer_node not in replica_nodes | {multinode.head_id}
+    for nodes in held_on:
+        assert multinode.head_id not in nodes, held_on  # nothing of a trajectory on the ingress's node
+        assert trainer_node in nodes and nodes - {trainer_node} <= replica_nodes, (nodes, replica_nodes)
+    threads = torch.get_num_threads()
+    try:
+        want = run_local(AppArgs(overrides=OVERRIDES), name=f"{APP}-reference-v0").rollout.remote(
+            {"prompts": PROMPTS, "group_size": 4, "sampling": LARGE, "policy_version": 0, "seed": 77}
+        ).result(timeout_s=120).transitions
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got.seeds, want.seeds) and torch.equal(got.prompt_index, want.prompt_index)
+    for name in ("latents", "log_probs"):
+        assert (getattr(got, name) - getattr(want, name)).abs().max().item() <= 1e-6, name

@@ -128,6 +128,28 @@ def test_a_killed_replica_loses_no_request(cluster):
         assert [s["seed"] for s in before.json()["samples"]] == [s["seed"] for s in after.json()["samples"]]
 
 
+def test_a_batch_outlives_the_replicas_that_sampled_it(cluster):
+    """A batch's tensors stay where the replicas made them until the trainer fetches them; owned by the
+    ingress that asked for them, they survive those replicas' deaths."""
+    from serve_app.client import RolloutClient
+
+    client = RolloutClient(APP)
+    request = (["a cat", "a dog"], 8)  # four chunks: both replicas sample
+    unfetched = client.rollout(*request, seed=31, fetch=False)
+    assert len({c.header.sampled_by for c in unfetched.chunks}) == 2
+    pids = _replica_pids(APP)
+    assert len(pids) == 2, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _wait_for_two_replicas(APP)
+    assert not set(pids) & set(_replica_pids(APP))
+    got = unfetched.trajectory
+    want = client.rollout(*request, seed=31).trajectory  # sampled again by the new replicas
+    torch.testing.assert_close(got.latents, want.latents, atol=0, rtol=0)
+    torch.testing.assert_close(got.log_probs, want.log_probs, atol=0, rtol=0)
+    assert torch.equal(got.images, want.images)
+
+
 def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
     from ray import serve
 

@@ -18,6 +18,8 @@ from serve_app.rewards import build_reward, register_reward
 from serve_app.rewards.composite import CompositeReward, RewardError, RewardSpec
 from serve_app.schemas import PromptEmbeds, RolloutRequest, SamplingParams, Trajectory
 
+from tests.collect import collect
+
 
 @register_reward("test_server_fails_on")
 def fails_on(word: str):
@@ -60,7 +62,7 @@ def app(start_local_app):
 
 def test_rewards_on_servers_score_every_chunk(app):
     batch = app.rollout.remote(RolloutRequest(prompts=["a cat", "a dog"], group_size=4, seed=2)).result()
-    images = batch.trajectory.images
+    images = batch.images
     expected = build_reward("brightness", target=0.8)(images, ["a cat"] * 8)
     torch.testing.assert_close(batch.rewards["brightness"], expected, rtol=0, atol=1e-6)
     # The groupwise reward ranked within each whole group, although chunks of 3 split the groups.
@@ -78,7 +80,7 @@ def test_a_group_the_reward_fails_on_is_dropped_and_named(app):
     assert "ConnectionError: scorer refused" in why
     from deployments.tokenizer_ingress import to_response
 
-    answer = json.loads(to_response(batch, return_images=False).model_dump_json())  # what HTTP callers read
+    answer = json.loads(to_response(batch, images=None).model_dump_json())  # what HTTP callers read
     assert answer["dropped_groups"] == {"1": why} and len(answer["samples"]) == 4
 
 
@@ -217,7 +219,7 @@ def test_stub_scorer_drop_group_drops_exactly_the_groups_it_failed(scorer):
     server = scorer(seed_failing(GROUPS, 2))
     events = Events()
     asm = stub_assembler(f"http://127.0.0.1:{server.server_port}/score", events, on_error="drop_group")
-    batch = asm.assemble(chunks(), PROMPTS, GROUP_SIZE, request_id="drop")
+    batch = collect(asm, chunks(), PROMPTS, GROUP_SIZE, request_id="drop")
     failed = {PROMPTS.index(p) for p in server.failed_prompts}
     assert len(failed) >= 2 and set(batch.dropped_groups) == failed
     for g, why in batch.dropped_groups.items():
@@ -234,7 +236,7 @@ def test_stub_scorer_retries_recover_every_503(scorer):
     events = Events()
     asm = stub_assembler(f"http://127.0.0.1:{server.server_port}/score", events, retry={"attempts": 4, "backoff_s": 0.01})
     started = time.perf_counter()
-    batch = asm.assemble(chunks(), PROMPTS, GROUP_SIZE, request_id="retry")
+    batch = collect(asm, chunks(), PROMPTS, GROUP_SIZE, request_id="retry")
     assert len(server.failed_prompts) >= 2 and events.outcomes.count("retry") == len(server.failed_prompts)
     assert server.answers == GROUPS + len(server.failed_prompts)
     torch.testing.assert_close(batch.rewards["test_stub_http"], torch.cat([expected_reward(p) for p in range(GROUPS)]))
@@ -246,6 +248,6 @@ def test_stub_scorer_without_retries_fails_the_request_naming_the_prompt(scorer)
     server = scorer(seed_failing(GROUPS, 1))
     asm = stub_assembler(f"http://127.0.0.1:{server.server_port}/score", Events())
     with pytest.raises(RewardError) as info:
-        asm.assemble(chunks(), PROMPTS, GROUP_SIZE, request_id="fail")
+        collect(asm, chunks(), PROMPTS, GROUP_SIZE, request_id="fail")
     assert info.value.reward_name == "test_stub_http" and info.value.prompt in server.failed_prompts
     assert info.value.detail.startswith("HTTPError: HTTP Error 503")

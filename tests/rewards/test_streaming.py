@@ -1,5 +1,6 @@
 """Streaming scoring, groupwise rewards and fail-closed errors in the plain classes (no Ray, no model):
-ScoreStream -> TrajectoryAssembler.score -> finish, on hand-made trajectories."""
+ScoreStream -> TrajectoryAssembler.score -> finish, on hand-made trajectories, and the coordinator's
+whole flow over them in one process (tests/collect.py)."""
 
 import asyncio
 import random
@@ -16,7 +17,9 @@ from serve_app.flowgrpo.advantages import group_advantages
 from serve_app.serving.options import reward_server_options
 from serve_app.rewards import register_reward
 from serve_app.rewards.composite import CompositeReward, RewardError, RewardSpec, score_fused
-from serve_app.schemas import PromptEmbeds, SamplingParams, Trajectory
+from serve_app.schemas import ChunkHeader, PromptEmbeds, SampledChunk, SamplingParams, Trajectory
+
+from tests.collect import collect
 
 # --- rewards of these tests (registered names, so specs can use them) ---------------------------
 
@@ -129,22 +132,22 @@ def test_stream_scores_chunk_parts_at_once_and_groups_when_whole():
     chunks = chunks_of(2, 4, 3)
     stream = ScoreStream(PROMPTS[:2], 4, per_sample=True, groupwise=True)
     # Arrival out of order: the last chunk first.
-    jobs = stream.add(chunks[2])
+    jobs = stream.add(SampledChunk.of(chunks[2]))
     assert [(j.prompt_index, j.whole_group, j.sample_index.tolist()) for j in jobs] == [(1, False, [2, 3])]
-    jobs = stream.add(chunks[0])
+    jobs = stream.add(SampledChunk.of(chunks[0]))
     assert [(j.prompt_index, j.whole_group, j.sample_index.tolist()) for j in jobs] == [(0, False, [0, 1, 2])]
-    jobs = stream.add(chunks[1])  # completes both groups
+    jobs = stream.add(SampledChunk.of(chunks[1]))  # completes both groups
     assert [(j.prompt_index, j.whole_group, j.sample_index.tolist()) for j in jobs] == [
         (0, False, [3]), (0, True, [0, 1, 2, 3]), (1, False, [0, 1]), (1, True, [0, 1, 2, 3])]
     whole = jobs[3]
-    assert _means(whole.images).int().tolist() == [17, 20, 23, 26]  # group 1's images, in sample order
+    assert _means(asyncio.run(whole.images())).int().tolist() == [17, 20, 23, 26]  # group 1's images, in sample order
     assert whole.prompt == "a dog"
 
 
 def test_a_chunk_of_several_whole_groups_gives_a_job_per_group():
     (chunk,) = chunks_of(3, 2, 6)
-    jobs = ScoreStream(PROMPTS, 2, per_sample=False, groupwise=True).add(chunk)
-    assert [(j.prompt_index, j.whole_group, len(j.images)) for j in jobs] == [(0, True, 2), (1, True, 2), (2, True, 2)]
+    jobs = ScoreStream(PROMPTS, 2, per_sample=False, groupwise=True).add(SampledChunk.of(chunk))
+    assert [(j.prompt_index, j.whole_group, len(j.sample_index)) for j in jobs] == [(0, True, 2), (1, True, 2), (2, True, 2)]
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 5, 12])
@@ -157,10 +160,11 @@ def test_streamed_scores_equal_scoring_each_whole_group(chunk_size):
     order = list(range(len(chunks)))
     random.Random(chunk_size).shuffle(order)
     stream = asm.stream(PROMPTS, 4)
-    jobs = [job for i in order for job in stream.add(chunks[i])]
+    jobs = [job for i in order for job in stream.add(SampledChunk.of(chunks[i]))]
     assert sum(j.whole_group for j in jobs) == 3
     scores = score_all(asm, jobs)
-    batch = asm.finish([chunks[i] for i in order], scores, PROMPTS, 4, request_id="r")
+    batch = asm.finish([ChunkHeader.of(chunks[i]) for i in order], scores, PROMPTS, 4)
+    prompt_index = torch.cat([chunks[i].prompt_index for i in order])[batch.rows]
     reference = CompositeReward([RewardSpec(**s) for s in specs])
     whole = chunks_of(3, 4, 12)[0]
     for g in range(3):
@@ -168,7 +172,7 @@ def test_streamed_scores_equal_scoring_each_whole_group(chunk_size):
         for key in ("test_mean", "test_rank", "total"):
             torch.testing.assert_close(batch.rewards[key][g * 4 : (g + 1) * 4], expected[key], rtol=0, atol=1e-6)
     torch.testing.assert_close(batch.rewards["test_rank"].view(3, 4), torch.tensor([[0, 1 / 3, 2 / 3, 1]] * 3))
-    torch.testing.assert_close(batch.advantages, group_advantages(batch.rewards["total"], batch.trajectory.prompt_index,
+    torch.testing.assert_close(batch.advantages, group_advantages(batch.rewards["total"], prompt_index,
                                                                   std_mode="group", eps=1e-4, clip=5.0))
     assert batch.dropped_groups == {}
 
@@ -176,7 +180,7 @@ def test_streamed_scores_equal_scoring_each_whole_group(chunk_size):
 def test_groupwise_reward_is_called_with_whole_groups_only():
     CALLS.clear()
     asm = assembler({"name": "test_rank"})
-    asm.assemble(chunks_of(2, 4, 3), PROMPTS[:2], 4, request_id="r")
+    collect(asm, chunks_of(2, 4, 3), PROMPTS[:2], 4)
     assert sorted(c for _, c in CALLS) == [[7, 10, 13, 16], [17, 20, 23, 26]]
     assert {name for name, _ in CALLS} == {"test_rank"}  # no per-sample job was made: nothing to score there
 
@@ -187,14 +191,14 @@ def test_groupwise_reward_is_called_with_whole_groups_only():
 def test_drop_group_removes_the_failed_group_and_reports_it():
     events = Events()
     asm = assembler({"name": "test_mean"}, {"name": "test_fails_on", "on_error": "drop_group", "retry": {"attempts": 2, "backoff_s": 0.0}}, observer=events)
-    batch = asm.assemble(chunks_of(3, 4, 3), PROMPTS, 4, request_id="r")
+    batch = collect(asm, chunks_of(3, 4, 3), PROMPTS, 4)
     assert list(batch.dropped_groups) == [2]
     assert "'test_fails_on' failed on prompt 'a bad owl'" in batch.dropped_groups[2]
     assert "ConnectionError: scorer answered 503" in batch.dropped_groups[2] and "after 2 attempts" in batch.dropped_groups[2]
     assert batch.trajectory.prompt_index.tolist() == [0] * 4 + [1] * 4
     assert batch.metrics["dropped_groups"] == 1.0 and batch.metrics["num_samples"] == 8.0
     # Advantages over the kept groups are what those groups give alone.
-    kept = assembler({"name": "test_mean"}, {"name": "test_fails_on"}).assemble(chunks_of(2, 4, 3), PROMPTS[:2], 4, request_id="k")
+    kept = collect(assembler({"name": "test_mean"}, {"name": "test_fails_on"}), chunks_of(2, 4, 3), PROMPTS[:2], 4, request_id="k")
     torch.testing.assert_close(batch.advantages, kept.advantages)
     torch.testing.assert_close(batch.rewards["total"], kept.rewards["total"])
     # Chunks of 3 over groups of 4 put group 2 (rows 8..11) in chunks 2 and 3: both parts fail,
@@ -207,7 +211,7 @@ def test_retries_recover_a_transient_failure():
     events = Events()
     asm = assembler({"name": "test_fails_on", "args": {"times": 2, "value": 3.0}, "retry": {"attempts": 3, "backoff_s": 0.0}},
                     observer=events)
-    batch = asm.assemble(chunks_of(3, 2, 6), PROMPTS, 2, request_id="r")
+    batch = collect(asm, chunks_of(3, 2, 6), PROMPTS, 2)
     assert batch.rewards["test_fails_on"].tolist() == [3.0] * 6 and batch.dropped_groups == {}
     assert [o for _, o in events.events].count("retry") == 2
 
@@ -215,7 +219,7 @@ def test_retries_recover_a_transient_failure():
 def test_fail_raises_a_reward_error_naming_reward_prompt_and_cause():
     asm = assembler({"name": "test_mean"}, {"name": "test_fails_on", "retry": {"attempts": 3, "backoff_s": 0.0}})
     with pytest.raises(RewardError) as info:
-        asm.assemble(chunks_of(3, 2, 2), PROMPTS, 2, request_id="r")
+        collect(asm, chunks_of(3, 2, 2), PROMPTS, 2)
     error = info.value
     assert error.reward_name == "test_fails_on" and error.prompt == "a bad owl"
     assert error.detail == "ConnectionError: scorer answered 503 for 'a bad owl' (after 3 attempts)"
@@ -224,7 +228,7 @@ def test_fail_raises_a_reward_error_naming_reward_prompt_and_cause():
 def test_every_group_dropped_is_an_error():
     asm = assembler({"name": "test_fails_on", "args": {"word": "a"}, "on_error": "drop_group"})
     with pytest.raises(RewardError, match="every group of the request was dropped"):
-        asm.assemble(chunks_of(2, 2, 2), PROMPTS[:2], 2, request_id="r")
+        collect(asm, chunks_of(2, 2, 2), PROMPTS[:2], 2)
 
 
 def test_non_finite_values_and_timeouts_fail_closed():
@@ -236,12 +240,12 @@ def test_non_finite_values_and_timeouts_fail_closed():
     sys.modules["nan_reward_mod"] = module
     try:
         with pytest.raises(RewardError, match="non-finite value nan"):
-            assembler({"name": "nan_reward_mod:nan_reward"}).assemble(chunks_of(1, 2, 2), PROMPTS[:1], 2, request_id="r")
+            collect(assembler({"name": "nan_reward_mod:nan_reward"}), chunks_of(1, 2, 2), PROMPTS[:1], 2)
     finally:
         del sys.modules["nan_reward_mod"]
     started = time.perf_counter()
     with pytest.raises(RewardError, match=r"'test_slow' failed on prompt 'a cat': timed out after 0.05 s"):
-        assembler({"name": "test_slow", "timeout_s": 0.05}).assemble(chunks_of(1, 2, 2), PROMPTS[:1], 2, request_id="r")
+        collect(assembler({"name": "test_slow", "timeout_s": 0.05}), chunks_of(1, 2, 2), PROMPTS[:1], 2)
     assert time.perf_counter() - started < 0.3 + 0.25  # the wait ended at the timeout (the thread runs out its sleep)
 
 
@@ -249,10 +253,10 @@ def test_missing_scores_are_never_filled_in():
     asm = assembler({"name": "test_mean"})
     chunks = chunks_of(2, 2, 2)
     stream = asm.stream(PROMPTS[:2], 2)
-    jobs = [j for c in chunks for j in stream.add(c)]
+    jobs = [j for c in chunks for j in stream.add(SampledChunk.of(c))]
     scores = score_all(asm, jobs[:-1])
     with pytest.raises(GroupIncompleteError, match="reward 'test_mean' scored sample 0 of prompt 1 0 times"):
-        asm.finish(chunks, scores, PROMPTS[:2], 2, request_id="r")
+        asm.finish([ChunkHeader.of(c) for c in chunks], scores, PROMPTS[:2], 2)
 
 
 # --- the RewardServer's batching, and the config -------------------------------------------------

@@ -93,13 +93,15 @@ class RenderingClient:
         self.right = right
         self.right_odd = right if right_odd is None else right_odd
 
-    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s):
+    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch):
+        assert not fetch  # an evaluation reads images and ids, never the transitions
         prompt_index, sample_index, seeds = group_layout(seed, len(prompts), group_size)
         rng = np.random.default_rng(0)
         images = [render(parse_prompt(prompts[p]), rng) if s < (self.right_odd if p % 2 else self.right) else BLANK
                   for p, s in zip(prompt_index.tolist(), sample_index.tolist())]
-        trajectory = SimpleNamespace(images=torch.from_numpy(np.stack(images)), prompt_index=prompt_index, seeds=seeds)
-        return SimpleNamespace(trajectory=trajectory, rewards={TOTAL_KEY: torch.zeros(len(seeds))})
+        header = SimpleNamespace(prompt_index=prompt_index, seeds=seeds)
+        return SimpleNamespace(images=torch.from_numpy(np.stack(images)), header=header,
+                               rewards={TOTAL_KEY: torch.zeros(len(seeds))})
 
 
 def _evaluate(evaluator, step):

@@ -22,12 +22,13 @@ class RewardClient:
     def __init__(self, reward) -> None:
         self.reward = reward
 
-    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s):
+    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch):
+        assert not fetch  # an evaluation reads images and ids, never the transitions
         prompt_index, sample_index, seeds = group_layout(seed, len(prompts), group_size)
         rewards = torch.tensor([self.reward(p, s) for p, s in zip(prompt_index.tolist(), sample_index.tolist())])
         images = torch.zeros(len(seeds), 3, 8, 8, dtype=torch.uint8)
-        trajectory = SimpleNamespace(images=images, prompt_index=prompt_index, seeds=seeds)
-        return SimpleNamespace(trajectory=trajectory, rewards={TOTAL_KEY: rewards})
+        header = SimpleNamespace(prompt_index=prompt_index, seeds=seeds)
+        return SimpleNamespace(images=images, header=header, rewards={TOTAL_KEY: rewards})
 
 
 def test_the_reward_change_has_intervals_over_images_and_over_prompts(tmp_path):
