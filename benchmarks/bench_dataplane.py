@@ -1,7 +1,7 @@
 """Where a rollout's bytes go, as trajectories grow: the app served by handle vs the same flow in one
 process, and the tensor bytes each process of the app serializes and deserializes per request.
 
-Workload: the embedded tiny Qwen-Image at image sides from 64 to 1024 px (about 25 kB to 6 MB per
+Workload: the embedded tiny Qwen-Image at image sides from 64 to 768 px (about 25 kB to 4 MB per
 sample: latents of the SDE window, log-probs, prompt embeddings and the image), 4 steps with a window
 of 2, two prompts x `--group-size` samples a request, chunks of 2 samples, two replicas on one torch
 thread each. In process: the planner, the engine and the coordinator (or, on a checkout from before it,
@@ -13,7 +13,7 @@ Bytes: every process of the job counts the bytes of the torch storages it pickle
 (tensors travel between Ray processes as pickled storages), by role: trainer (this process), ingress,
 aggregator, replicas.
 
-    .venv/bin/python benchmarks/bench_dataplane.py [--repeats 3] [--sizes 64 256 512 1024]
+    .venv/bin/python benchmarks/bench_dataplane.py [--repeats 3] [--sizes 64 256 512 768]
     .venv/bin/python benchmarks/bench_dataplane.py --code DIR    # another checkout's flow, e.g. the one
                                                                  # before this: git worktree add DIR COMMIT
 """
@@ -64,8 +64,10 @@ def count_tensor_bytes() -> None:
 
     def flush() -> None:
         path = Path(folder) / f"{os.getpid()}.json"
+        staging = path.with_suffix(".tmp")
         while True:
-            path.write_text(json.dumps(counts))
+            staging.write_text(json.dumps(counts))
+            os.replace(staging, path)  # a reader sees a whole file, never a half-written one
             time.sleep(0.1)
 
     threading.Thread(target=flush, daemon=True).start()
@@ -80,6 +82,7 @@ def overrides_for(size: int) -> list[str]:
         "model=tiny_qwen_image", f"sampling.height={size}", f"sampling.width={size}", "sampling.num_steps=4",
         "sampling.sde_window_range=[0,2]", "sampling.guidance_scale=1.0", "ingress.chunk_size=2",
         "ingress.max_samples=64", "model.max_request_work=1000000000", "replica.max_batch_size=1",
+        "replica.max_ongoing_requests=1",  # a replica takes one chunk at a time: a request spreads over both
         "replica.num_cpus=0.5", "replica.torch_threads=1", "replica.autoscaling.min_replicas=2",
         "replica.autoscaling.max_replicas=2",
     ]
@@ -129,8 +132,8 @@ def read_counts(folder: Path) -> dict[int, dict[str, int]]:
     for path in folder.glob("*.json"):
         try:
             entry = json.loads(path.read_text())
-        except (json.JSONDecodeError, OSError):  # being rewritten: read it on the next pass
-            continue
+        except (json.JSONDecodeError, OSError) as exc:
+            raise RuntimeError(f"unreadable tensor-byte counts {path}") from exc
         counts[int(entry["pid"])] = entry
     return counts
 
@@ -240,8 +243,8 @@ def measure(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512, 1024])
-    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512, 768])
+    parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--code", default=None, help="measure the flow of another checkout (its serve_app)")
     parser.add_argument("--code-label", default="this checkout", help=argparse.SUPPRESS)
     args = parser.parse_args()
