@@ -30,7 +30,8 @@ loopback_ray_env()
 BASE_STEP, TRAINED_STEP = 0, 1  # eval.csv's step column: the paired change is trained vs base
 
 
-def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str], samples: int) -> list[dict]:
+def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str], samples: int,
+                eval_steps: int | None = None) -> list[dict]:
     """eval.csv rows of the base weights (step 0) and of `weights` (step 1) at this guidance scale."""
     from safetensors.torch import load_file
 
@@ -45,7 +46,7 @@ def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str]
     config = load_trainer_config("trainer/shapes", [
         *app_overrides, f"validation.guidance_scale={guidance}", "trainer.image_every=0",
         "trainer.checkpoint_every=0", f"trainer.evaluation.args.splits=[{','.join(splits)}]",
-        f"trainer.evaluation.samples_per_prompt={samples}",
+        f"trainer.evaluation.samples_per_prompt={samples}", *([f"validation.num_steps={eval_steps}"] if eval_steps else []),
     ])
     trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
                               policy=load_trainer_policy(config), progress=False)
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--weights", required=True, type=Path, help="a trained LoRA: <run>/lora_final.safetensors")
     parser.add_argument("--guidance", default="1,2,3", help="comma-separated true-CFG scales to evaluate at")
     parser.add_argument("--samples-per-prompt", type=int, default=32, help="fixed evaluation seeds per prompt")
+    parser.add_argument("--eval-steps", type=int, default=None, help="ODE steps of an evaluation (default: the config's)")
     parser.add_argument("--splits", default="held_out,train", help="comma-separated splits (train capped at 456 images)")
     args = parser.parse_args()
 
@@ -86,7 +88,8 @@ def main() -> None:
     scales = {}
     with tempfile.TemporaryDirectory(prefix="bench-eval-guidance-") as scratch:
         for guidance in (float(g) for g in args.guidance.split(",")):
-            rows = evaluate_at(guidance, args.weights, work=Path(scratch), splits=splits, samples=args.samples_per_prompt)
+            rows = evaluate_at(guidance, args.weights, work=Path(scratch), splits=splits, samples=args.samples_per_prompt,
+                               eval_steps=args.eval_steps)
             scales[f"{guidance:g}"] = {split: summarize(rows, split) for split in splits}
     print(json.dumps({
         "benchmark": "bench_eval_guidance",

@@ -62,7 +62,8 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every_minutes: float,
-                seed: int, work: Path, splits: list[str], samples: int, keep_weights: Path | None) -> list[dict]:
+                seed: int, work: Path, splits: list[str], samples: int, keep_weights: Path | None,
+                eval_steps: int | None = None) -> list[dict]:
     from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
@@ -75,6 +76,7 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
         *app_overrides, *overrides, f"trainer.seed={seed}", f"trainer.eval_every={NEVER}",
         f"trainer.steps={max_steps}", "trainer.image_every=0", "trainer.checkpoint_every=0",
         f"trainer.evaluation.args.splits=[{','.join(splits)}]", f"trainer.evaluation.samples_per_prompt={samples}",
+        *([f"validation.num_steps={eval_steps}"] if eval_steps else []),
     ])
     trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
                               policy=load_trainer_policy(config), progress=False)
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=32,
                         help="fixed evaluation seeds per prompt (32 x the 14 held-out prompts: a paired interval of ~+-5 points)")
     parser.add_argument("--splits", default="held_out", help="comma-separated splits to evaluate (train has 76 prompts)")
+    parser.add_argument("--eval-steps", type=int, default=None, help="ODE steps of an evaluation (default: the config's)")
     parser.add_argument("--variants", default="demo,full_sde", help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--out", default=None, help="also write the JSON here, after every run")
     parser.add_argument("--keep-weights", type=Path, default=None, help="keep each run's final weights in this folder")
@@ -173,7 +176,7 @@ def main() -> None:
                 runs[name].append(run_variant(
                     name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
                     eval_every_minutes=args.eval_every_minutes, seed=repeat, work=Path(scratch), splits=splits,
-                    samples=args.samples_per_prompt, keep_weights=args.keep_weights))
+                    samples=args.samples_per_prompt, keep_weights=args.keep_weights, eval_steps=args.eval_steps))
                 if args.out:
                     Path(args.out).write_text(json.dumps(report(complete=False), indent=2) + "\n")
     text = json.dumps(report(complete=True), indent=2)

@@ -128,7 +128,7 @@ def test_bench_dataplane(flowgrpo_home):
 def test_bench_learning(flowgrpo_home, tmp_path):
     report = run_script("bench_learning.py", "--minutes", "0.01", "--max-steps", "1", "--repeats", "1",
                         "--samples-per-prompt", "1", "--variants", "fast_plain", "--splits", "held_out,train",
-                        "--keep-weights", str(tmp_path))
+                        "--eval-steps", "2", "--keep-weights", str(tmp_path))
     assert_finite(report)
     assert report["complete"]
     (rows,) = report["variants"]["fast_plain"]["curves"]
@@ -147,7 +147,7 @@ def test_bench_learning(flowgrpo_home, tmp_path):
     # prompts and seeds, scores what the training run's own evaluations scored, base and trained.
     weights = tmp_path / "fast_plain-seed0-lora_final.safetensors"
     guided = run_script("bench_eval_guidance.py", "--weights", str(weights), "--guidance", "1,2",
-                        "--samples-per-prompt", "1", "--splits", "held_out,train")
+                        "--samples-per-prompt", "1", "--splits", "held_out,train", "--eval-steps", "2")
     assert_finite(guided)
     assert set(guided["guidance"]) == {"1", "2"}
     for split in ("held_out", "train"):

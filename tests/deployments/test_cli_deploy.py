@@ -75,32 +75,40 @@ def head_node(flowgrpo_home, tmp_path_factory):
     try:
         yield env, f"http://127.0.0.1:{dashboard_port}", config_file, http_port
     finally:
+        # Nothing of this cluster outlives the test: a graceful stop gets a few seconds, then the whole
+        # process group is killed (Ray's own graceful stop waits up to 30 s for its workers).
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=60)
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
+            pass
+        try:
             os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        head.wait(timeout=30)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _deploy(config_file: Path, env: dict, dashboard: str, *, until: str, timeout: float = 240) -> dict:
-    """`serve deploy` on an empty Serve, then `serve status` until the app reaches `until` (RUNNING or
-    DEPLOY_FAILED). Shutting down first keeps an earlier app's RUNNING from answering for this one."""
+    """`serve deploy` on an empty Serve, then the app's status (the dashboard's REST API, which `serve
+    status` reads) until it reaches `until` (RUNNING or DEPLOY_FAILED). Shutting down first keeps an
+    earlier app's RUNNING from answering for this one."""
     down = _run(str(BIN / "serve"), "shutdown", "--address", dashboard, "--yes", env=env)
     assert down.returncode == 0, down.stderr[-2000:]
     deployed = _run(str(BIN / "serve"), "deploy", str(config_file), "--address", dashboard, env=env)
     assert deployed.returncode == 0, deployed.stderr[-2000:]
     deadline = time.monotonic() + timeout
-    status = ""
+    token = {"authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
+    app: dict = {}
     while time.monotonic() < deadline:
-        status = _run(str(BIN / "serve"), "status", "--address", dashboard, env=env).stdout
-        app = ((yaml.safe_load(status) or {}).get("applications") or {}).get("flowgrpo") or {}
+        reply = httpx.get(f"{dashboard}/api/serve/applications/", headers=token, timeout=30)
+        app = (reply.json().get("applications") or {}).get("flowgrpo") or {} if reply.status_code == 200 else {}
         if app.get("status") == until:
             return app
-        assert app.get("status") not in {"RUNNING", "DEPLOY_FAILED"} - {until}, status
-        time.sleep(2)
-    raise AssertionError(f"the app did not reach {until} in {timeout} s:\n{status}")
+        assert app.get("status") not in {"RUNNING", "DEPLOY_FAILED"} - {until}, app
+        time.sleep(1)
+    raise AssertionError(f"the app did not reach {until} in {timeout} s:\n{app}")
 
 
 def _with_args(config_file: Path, args: dict, deployments: list | None = None) -> Path:
@@ -125,6 +133,8 @@ def test_serve_deploy_reaches_running_and_serves(head_node):
     app = _deploy(config_file, env, dashboard, until="RUNNING")
     assert set(app["deployments"]) == {"TokenizerIngress", "DiffusionReplica", "TrajectoryAggregator"}
     assert all(d["status"] == "HEALTHY" for d in app["deployments"].values()), app
+    status = yaml.safe_load(_run(str(BIN / "serve"), "status", "--address", dashboard, env=env).stdout)
+    assert status["applications"]["flowgrpo"]["status"] == "RUNNING", status  # what the CLI reports
     reply = httpx.post(
         f"http://127.0.0.1:{http_port}/v1/rollouts", json={"prompts": ["a cat"], "group_size": 2, "seed": 1}, timeout=120
     )
