@@ -106,7 +106,8 @@ class TokenizerIngress:
         """The planner, built on first use with the model geometry a replica reports (the ingress
         loads no weights)."""
         if self._planner is None:
-            geometry = await self.replica.geometry.remote()
+            # A replica that dies while answering costs a retry on another, as a chunk does.
+            geometry = await self._on_a_replica(lambda: self.replica.geometry.remote(), "reporting its geometry")
             self._planner = RolloutPlanner(
                 self.text_processor, self.config.ingress, self.config.sampling, geometry,
                 max_work=self.config.model.max_request_work, store=open_weight_store(self.config),
@@ -129,18 +130,24 @@ class TokenizerIngress:
         """One chunk on some replica. A replica that dies while holding it costs a re-run on another
         (or the restarted) one, not the request: the chunk's seeds make the re-run exactly the
         trajectory the undisturbed run returns."""
+        return await self._on_a_replica(lambda: self._sample_once(chunk), "running a chunk",
+                                        on_rerun=self.chunk_reruns.inc)
+
+    async def _on_a_replica(self, call, what: str, on_rerun=None):
+        """`call()` again (up to ingress.chunk_retry.attempts) while the replica it reached dies; then a
+        ReplicaUnavailableError (HTTP 503) saying what the replica was doing."""
         policy = self.config.ingress.chunk_retry
 
         def rerun(exc: BaseException, failed: int) -> None:
-            logger.warning("chunk lost with its replica (attempt %d of %d): %s", failed, policy.attempts, exc)
-            self.chunk_reruns.inc()
+            logger.warning("replica %s died (attempt %d of %d): %s", what, failed, policy.attempts, exc)
+            if on_rerun is not None:
+                on_rerun()
 
         try:
-            return await policy.call_async(lambda: self._sample_once(chunk),
-                                           retryable=lambda exc: isinstance(exc, RayActorError), on_retry=rerun)
+            return await policy.call_async(call, retryable=lambda exc: isinstance(exc, RayActorError), on_retry=rerun)
         except RayActorError:
             raise ReplicaUnavailableError(
-                f"the replica running a chunk died {policy.attempts} times in a row (ingress.chunk_retry.attempts = "
+                f"the replica {what} died {policy.attempts} times in a row (ingress.chunk_retry.attempts = "
                 f"{policy.attempts}); retry the request"
             ) from None
 

@@ -52,3 +52,46 @@ def test_build_app_rejects_unknown_args_and_keys():
         build_app(AppArgs(overrides=["sampling.nosie_level=1"]))
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         AppArgs.model_validate({"config": "diffusion_rollout", "bogus": 1})
+
+
+class _DiesOnce:
+    """A handle method whose first call meets a replica that died; later calls answer `value`."""
+
+    def __init__(self, value) -> None:
+        self.value, self.calls = value, 0
+
+    def remote(self):
+        from ray.exceptions import ActorDiedError
+
+        self.calls += 1
+
+        async def answer():
+            if self.calls == 1:
+                raise ActorDiedError()
+            return self.value
+
+        return answer()
+
+
+@pytest.mark.parametrize(("attempts", "status"), [(2, None), (1, 503)])
+def test_a_replica_dying_while_reporting_its_geometry_costs_a_retry_not_the_request(attempts, status):
+    """The ingress's first call to a replica (its geometry) is re-run on another replica like a chunk;
+    without retries left it is a 503 (ReplicaUnavailableError), never a 500."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.tokenizer_ingress import TokenizerIngress
+    from serve_app.config import load_config
+    from serve_app.errors import ReplicaUnavailableError, http_error
+
+    config = load_config("diffusion_rollout", [f"ingress.chunk_retry.attempts={attempts}",
+                                               "ingress.chunk_retry.backoff_s=0"])
+    geometry = _DiesOnce("geometry")
+    ingress = SimpleNamespace(config=config)  # the method's logic only, outside a Serve replica
+    ask = TokenizerIngress._on_a_replica(ingress, geometry.remote, "reporting its geometry")
+    if status is None:
+        assert asyncio.run(ask) == "geometry" and geometry.calls == 2
+    else:
+        with pytest.raises(ReplicaUnavailableError, match="reporting its geometry died 1 times") as raised:
+            asyncio.run(ask)
+        assert http_error(raised.value)[0] == status and geometry.calls == 1
