@@ -22,12 +22,10 @@ from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.weights.versions import PRIMARY_EXPERT
 
 
 _SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width)
-
-# The pipeline component every family denoises with; Wan2.2-A14B adds a second expert (`transformer_2`).
-PRIMARY_EXPERT = "transformer"
 
 
 class TextProcessor(abc.ABC):
