@@ -22,10 +22,12 @@ from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
-from serve_app.weights.versions import PRIMARY_EXPERT
 
 
 _SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width)
+
+# The pipeline component every family denoises with; Wan2.2-A14B adds a second expert (`transformer_2`).
+PRIMARY_EXPERT = "transformer"
 
 
 class TextProcessor(abc.ABC):
@@ -208,6 +210,11 @@ class DiffusionPolicy(abc.ABC):
         """Every denoiser by its pipeline component name, the primary ``transformer`` first: what RL may
         train and weight sync may replace (Wan2.2-A14B: ``transformer`` and ``transformer_2``)."""
         return {PRIMARY_EXPERT: self.transformer}
+
+    @property
+    def probe_sigmas(self) -> tuple[float, ...]:
+        """Sigmas at which a health probe runs the model: one step of each expert (here: sigma 1)."""
+        return (1.0,)
 
     def compile_transformer(self, *, backend: str = "inductor") -> None:
         """Compile every expert's forward with torch.compile, in place (``nn.Module.compile``: the

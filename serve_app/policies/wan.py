@@ -195,6 +195,13 @@ class WanPolicy(DiffusionPolicy):
             experts[LOW_NOISE_EXPERT] = self.pipeline.transformer_2
         return experts
 
+    @property
+    def probe_sigmas(self) -> tuple[float, ...]:
+        if self.boundary_timestep is None:
+            return super().probe_sigmas
+        # Half the boundary's sigma lies below it: a step of the low-noise expert.
+        return (1.0, 0.5 * self.boundary_timestep / self._flow_scheduler.config.num_train_timesteps)
+
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The transformer's timestep of sigmas: sigma x num_train_timesteps in float32, as the stock
         scheduler's ``timesteps`` are."""

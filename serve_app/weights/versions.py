@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
+from serve_app.policies.base import PRIMARY_EXPERT  # unprefixed tensor names are its
 from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ WeightKind = Literal["lora", "full"]
 
 # The adapter name the trainer trains under and every replica loads a LoRA version under.
 ADAPTER = "flowgrpo"
-# The pipeline component every family denoises with; unprefixed tensor names are its.
-PRIMARY_EXPERT = "transformer"
 
 
 def adapter_name(expert: str) -> str:

@@ -241,3 +241,21 @@ def test_image_to_video_and_incomplete_two_expert_checkouts_are_refused_naming_w
             transformer=WanTransformer3DModel.from_config({**config, "image_dim": 16}))
     refused(r"transformer_2.config in_channels/out_channels = 36/4, the VAE's z_dim 4",
             transformer_2=WanTransformer3DModel.from_config({**config, "in_channels": 36}))
+
+
+def test_the_health_probe_runs_both_experts(a14b):
+    from serve_app.serving.engine import DiffusersEngine
+
+    assert [a14b.expert_at_sigma(s) for s in a14b.probe_sigmas] == ["transformer", "transformer_2"]
+    engine = DiffusersEngine(a14b)
+    engine.check_health()
+    bias = a14b.pipeline.transformer_2.proj_out.bias
+    kept = bias.detach().clone()
+    with torch.no_grad():
+        bias.fill_(float("nan"))  # a broken low-noise expert: the high-noise one alone would pass
+    try:
+        with pytest.raises(RuntimeError, match="non-finite"):
+            engine.check_health()
+    finally:
+        with torch.no_grad():
+            bias.copy_(kept)
