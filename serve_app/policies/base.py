@@ -76,6 +76,14 @@ class ImageGeometry:
     temporal_factor: int | None = None  # video families: frames per latent frame after the first
     max_frames: int = 1
     temporal_patch: int = 1  # latent frames per transformer token
+    experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
+
+    def check_guidance(self, guidance_scale_2: float | None) -> None:
+        """Raise InvalidRequestError unless the model has a second expert for a second guidance scale."""
+        if guidance_scale_2 is not None and self.experts < 2:
+            raise InvalidRequestError(
+                f"only two-expert checkpoints (Wan2.2-T2V-A14B) take a second guidance scale; this {self.family} "
+                "model has one transformer: leave it unset", "sampling.guidance_scale_2")
 
     def check(self, height: int, width: int, num_frames: int = 1) -> None:
         """Raise InvalidRequestError naming the field when the model cannot take height x width x num_frames."""
@@ -254,7 +262,7 @@ class DiffusionPolicy(abc.ABC):
     @property
     def geometry(self) -> ImageGeometry:
         return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple,
-                             self.temporal_factor, self.max_frames, self.temporal_patch)
+                             self.temporal_factor, self.max_frames, self.temporal_patch, len(self.experts))
 
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None:
         self.geometry.check(height, width, num_frames)
@@ -331,10 +339,7 @@ class DiffusionPolicy(abc.ABC):
         Raises:
             InvalidRequestError: sampling.guidance_scale_2 is set for a model with one expert.
         """
-        if params.guidance_scale_2 is not None:
-            raise InvalidRequestError(
-                f"only two-expert checkpoints (Wan2.2-T2V-A14B) take a second guidance scale; this {self.family} "
-                "model has one transformer: leave it unset", "sampling.guidance_scale_2")
+        self.geometry.check_guidance(params.guidance_scale_2)
         return params.guidance_scale
 
     @abc.abstractmethod

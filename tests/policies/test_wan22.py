@@ -72,6 +72,7 @@ def _ode_video(policy, params, seed=123):
 def test_the_expert_of_a_step_is_a_function_of_its_timestep(a14b):
     assert isinstance(a14b, WanPolicy) and a14b.family == "wan"
     assert list(a14b.experts) == ["transformer", "transformer_2"] and a14b.boundary_timestep == 875.0
+    assert a14b.geometry.experts == 2
     high, low = (dict(m.named_parameters())["proj_out.weight"] for m in a14b.experts.values())
     assert not torch.equal(high, low)  # two experts of their own weights
     # The stock rule: t >= boundary -> the high-noise expert, the boundary itself included.
@@ -219,6 +220,10 @@ def test_the_ti2v_geometry_counts_its_latent_frames_in_chunks_and_work(ti2v):
     assert planner.samples_per_chunk(SamplingParams(num_frames=9, num_steps=3, sde_window_range=(0, 1))) == 1
     plan = planner.plan(RolloutRequest(prompts=["a", "b"], group_size=2, seed=1, sampling={"num_frames": 5}))
     assert [len(c) for c in plan.chunks] == [2, 2]  # 2 samples of 2 latent frames fill a chunk of 4
+    assert geometry.experts == 1
+    with pytest.raises(InvalidRequestError, match="two-expert") as info:  # refused before any replica sees it
+        planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"num_frames": 5, "guidance_scale_2": 2.0}))
+    assert info.value.field == "sampling.guidance_scale_2"
     # 4 samples x 3 steps x 8 tokens (2 latent frames of 2x2 tokens at 64 px) x 2 (CFG) = 192 > 100.
     with pytest.raises(RequestTooLargeError, match=r"8 latent tokens \(2 latent frames of 5\) x 2 \(true CFG\) = 192"):
         planner.plan(RolloutRequest(prompts=["a", "b"], group_size=2, sampling={"num_frames": 5, "height": 64,
