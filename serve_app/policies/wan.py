@@ -1,5 +1,5 @@
-"""Wan2.1 text-to-video: a UMT5 text encoder, a WanTransformer3DModel over 1x2x2 patches of 5-D latents
-[B, C, F', H', W'], the causal 3-D AutoencoderKLWan.
+"""Wan text-to-video (Wan2.1, and Wan2.2 below): a UMT5 text encoder, a WanTransformer3DModel over 1x2x2
+patches of 5-D latents [B, C, F', H', W'], the causal 3-D AutoencoderKLWan.
 
 Mirrors the stock ``WanPipeline.__call__`` (diffusers 0.42):
 
@@ -80,7 +80,8 @@ def unsupported_parts(pipeline: Any) -> list[str]:
     experts = {name: getattr(pipeline, name, None) for name in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT)}
     boundary_ratio = pipeline.config.get("boundary_ratio")
     if experts[HIGH_NOISE_EXPERT] is None:
-        problems.append("no `transformer` (the high-noise expert; a checkout with only `transformer_2` is not supported)")
+        problems.append("no `transformer` (the high-noise expert; a checkout with only `transformer_2` is not "
+                        "supported)")
     if boundary_ratio is not None and experts[LOW_NOISE_EXPERT] is None:
         problems.append(f"boundary_ratio {boundary_ratio} but no `transformer_2`: the low-noise expert the steps "
                         "below the boundary need is missing")

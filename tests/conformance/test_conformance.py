@@ -1,6 +1,7 @@
 """The engine contract's invariants (serve_app/serving/engine_contract.py), checked for every engine x checkpoint
-(each family, and Wan2.2's layouts) on CPU: seed-only noise, noise 0 == the stock pipeline, replay ratio 1, version pinning. A future engine
-is added to conftest.ENGINES and must pass this file unchanged; FLAGGED_ENGINES must fail it."""
+(each family, and Wan2.2's layouts) on CPU: seed-only noise, noise 0 == the stock pipeline, replay ratio 1,
+version pinning. A future engine is added to conftest.ENGINES and must pass this file unchanged;
+FLAGGED_ENGINES must fail it."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def noise_zero_case(conformance_policies):
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
 @pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
-def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case, engine_name, checkpoint, guidance_scale):
+def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case, engine_name, checkpoint,
+                                          guidance_scale):
     params, chunk, _, stock = noise_zero_case(checkpoint, guidance_scale)
     trajectory = _one(ENGINES[engine_name](conformance_policies(checkpoint)), chunk)
     assert torch.equal(trajectory.log_probs, torch.zeros(1, params.num_steps - 1))

@@ -50,4 +50,5 @@ def test_the_http_answer_carries_one_mp4_per_sample(batch):
     for sample, video in zip(answer["samples"], batch.trajectory.images):
         decoded = decode_mp4(base64.b64decode(sample["video_mp4_base64"]))
         assert decoded.shape == (5, 3, 32, 32)
-        torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), video.float().mean(dim=(1, 2, 3)), atol=3, rtol=0)
+        torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), video.float().mean(dim=(1, 2, 3)), atol=3,
+                                   rtol=0)

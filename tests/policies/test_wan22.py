@@ -107,7 +107,8 @@ def test_each_step_runs_the_expert_timestep_and_guidance_of_the_stock_loop(a14b)
 def test_a_window_across_the_boundary_replays_with_ratio_one(a14b):
     group = sample_group(a14b, a14b.text_processor().tokenize(["a cat", "a dog"]), 2, PARAMS, policy_version=0)
     steps = group.step_indices.tolist()
-    assert steps == [0, 1] and [a14b.expert_at_sigma(group.sigmas[i]) for i in steps] == ["transformer", "transformer_2"]
+    assert steps == [0, 1]
+    assert [a14b.expert_at_sigma(group.sigmas[i]) for i in steps] == ["transformer", "transformer_2"]
     for k in range(len(steps)):
         ratio = torch.exp(replay_step(a14b, group, k).log_prob - group.log_probs[:, k])
         torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-6, rtol=0)
@@ -174,7 +175,8 @@ def test_trainer_lora_experts_is_validated(a14b, ti2v):
 
     assert list(trained_experts(a14b, LoraSection(experts=["transformer_2"]))) == ["transformer_2"]
     assert list(trained_experts(a14b, LoraSection())) == ["transformer", "transformer_2"]
-    with pytest.raises(ValueError, match=r"\['transformer_2'\], which this wan checkpoint lacks; it has \['transformer'\]"):
+    with pytest.raises(ValueError, match=r"\['transformer_2'\], which this wan checkpoint lacks; it has "
+                                         r"\['transformer'\]"):
         trained_experts(ti2v, LoraSection(experts=["transformer_2"]))
     for bad, message in ((["transformer", "transformer"], "must not repeat"), (["high"], "transformer_2"),
                          ([], "at least 1")):
