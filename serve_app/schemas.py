@@ -62,6 +62,11 @@ class SamplingParams(BaseModel):
     guidance_scale: StrictFloat = Field(
         4.0, ge=0.0, le=100.0, allow_inf_nan=False, description="True CFG scale; > 1 runs the negative prompt too."
     )
+    guidance_scale_2: StrictFloat | None = Field(
+        None, ge=0.0, le=100.0, allow_inf_nan=False,
+        description="Two-expert models only (Wan2.2-T2V-A14B): the true CFG scale of the low-noise expert's steps; "
+        "None uses guidance_scale. CFG runs when guidance_scale > 1.",
+    )
     negative_prompt: str = Field(" ", max_length=2000, description="Negative prompt for true CFG.")
     noise_level: StrictFloat = Field(
         1.2, ge=0.0, le=10.0, allow_inf_nan=False, description="The `a` of Flow-GRPO (CPS: at most 1); 0 samples the ODE."

@@ -42,6 +42,10 @@ class SamplingPolicy(Protocol):
         """float32 velocity [B, ...] of latents [B, ...] at sigmas [B], with true CFG when a negative is given."""
         ...
 
+    def guidance_scale_at(self, sigma: torch.Tensor, params: SamplingParams) -> float:
+        """The true-CFG scale of the step at `sigma` (two-expert models: each expert's own)."""
+        ...
+
     def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
         """Images [B, 3, H, W] (videos [B, F, 3, H, W]) float in [0, 1]."""
         ...
@@ -86,8 +90,10 @@ def transition(
         latents,
         sigma.expand(batch),
         conditioning.prompts.select(conditioning.embed_row),
-        negative=conditioning.negative,
-        guidance_scale=params.guidance_scale,
+        # CFG on or off for the whole request (the stock pipelines' do_classifier_free_guidance), at the
+        # scale of this step's expert.
+        negative=conditioning.negative if params.guidance_scale > 1.0 else None,
+        guidance_scale=policy.guidance_scale_at(sigma, params),
         height=params.height,
         width=params.width,
     )

@@ -80,6 +80,18 @@ def _tiny_wan(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     return build_tiny_wan(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
 
 
+def _tiny_wan22(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(out_dir, size="tiny-a14b", seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def _tiny_wan22_ti2v(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(out_dir, size="tiny-ti2v", seed=0, tokenizer_dir=tokenizer_dir)
+
+
 def _qwen2_tokenizer(out_dir: Path) -> Path:
     from .tokenizer import build_qwen2_tokenizer
 
@@ -92,6 +104,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
     "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
     "tiny-wan": EmbeddedModel("wan", build=_tiny_wan),
+    "tiny-wan22": EmbeddedModel("wan", build=_tiny_wan22),  # two experts (Wan2.2-T2V-A14B's layout)
+    "tiny-wan22-ti2v": EmbeddedModel("wan", build=_tiny_wan22_ti2v),  # expand_timesteps, 48-channel VAE (TI2V-5B's)
 }
 
 

@@ -1,6 +1,15 @@
-"""A randomly initialised miniature of Wan2.1 text-to-video (``WanPipeline``: UMT5 text encoder,
-WanTransformer3DModel, AutoencoderKLWan), saved so that it loads through the same
-``WanPipeline.from_pretrained(local_dir)`` a real Wan2.1-T2V checkout does.
+"""Randomly initialised miniatures of Wan text-to-video (``WanPipeline``: UMT5 text encoder,
+WanTransformer3DModel, AutoencoderKLWan), saved so that they load through the same
+``WanPipeline.from_pretrained(local_dir)`` a real checkout does. Three layouts:
+
+* ``tiny`` (embedded as ``tiny-wan``): Wan2.1-T2V, one transformer.
+* ``tiny-a14b`` (``tiny-wan22``): Wan2.2-T2V-A14B's two experts - ``transformer`` (high noise) and
+  ``transformer_2`` (low noise, its own random weights) switching at ``boundary_ratio`` 0.875, the
+  released value: with the shift-3 schedule a 3-step run takes step 0 with the high-noise expert and
+  steps 1-2 with the low-noise one, a 4-step run steps 0-1 and 2-3.
+* ``tiny-ti2v`` (``tiny-wan22-ti2v``): Wan2.2-TI2V-5B's layout - ``expand_timesteps`` (one timestep
+  per latent token) and its residual VAE of 48 latent channels that patchifies frames 2x2 before three
+  spatial downsamplings (spatial factor 16), so 32x32 frames give 2x2 latents: one token per latent frame.
 
 Stand-ins, as for tiny SD3 / Flux (no vocabulary can be fetched offline):
 
@@ -24,7 +33,7 @@ encoder: for GPU benchmarks (benchmarks/gpu_rollout.py), built in memory with :f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +52,7 @@ from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
 
 __all__ = ["WanSize", "build_tiny_wan", "wan_pipeline"]
 
-WanSize = Literal["tiny", "full"]
+WanSize = Literal["tiny", "tiny-a14b", "tiny-ti2v", "full"]
 
 _TEMPORAL_FACTOR = 4  # Wan2.1's
 _FLOW_SHIFT = 3.0  # Wan2.1-T2V at 480p
@@ -69,6 +78,13 @@ class _Spec:
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
     released_scheduler: bool = False  # UniPC with flow sigmas, as released; else FlowMatchEuler at the same shift
+    # Wan2.2: a low-noise expert (`transformer_2`) taking the timesteps below boundary_ratio x 1000.
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False  # Wan2.2 TI2V: per-token timesteps
+    # Wan2.2's VAE: residual down/up blocks, frames patchified `vae_patch_size` x `vae_patch_size` first.
+    vae_is_residual: bool = False
+    vae_patch_size: int | None = None
+    vae_decoder_base_dim: int | None = None
 
 
 _SPECS: dict[str, _Spec] = {
@@ -84,6 +100,16 @@ _SPECS: dict[str, _Spec] = {
                   vae_temporal_downsample=(False, True, True), spatial_factor=8, vae_res_blocks=2,
                   released_scheduler=True),
 }
+# Wan2.2-T2V-A14B: Wan2.1's VAE and transformer layout, twice (boundary_ratio as released).
+_SPECS["tiny-a14b"] = replace(_SPECS["tiny"], boundary_ratio=0.875)
+# Wan2.2-TI2V-5B: 48 latent channels, 2x2 patchify + three spatial levels = factor 16, residual blocks,
+# a wider decoder (160 / 256 in the release), latent statistics of 48 entries.
+_SPECS["tiny-ti2v"] = replace(
+    _SPECS["tiny"], z_dim=48, vae_base_dim=8, vae_decoder_base_dim=12, vae_dim_mult=(1, 2, 2, 2),
+    vae_temporal_downsample=(False, True, True), spatial_factor=16, vae_is_residual=True, vae_patch_size=2,
+    expand_timesteps=True, latents_mean=tuple(0.02 * (i % 7) - 0.06 for i in range(48)),
+    latents_std=tuple(0.8 + 0.05 * (i % 9) for i in range(48)),
+)
 
 
 def _text_encoder(spec: _Spec) -> UMT5EncoderModel:
@@ -116,14 +142,20 @@ def _vae(spec: _Spec) -> AutoencoderKLWan:
     statistics: dict[str, Any] = {}
     if spec.latents_mean is not None and spec.latents_std is not None:
         statistics = {"latents_mean": list(spec.latents_mean), "latents_std": list(spec.latents_std)}
+    pixel_channels = 3 * (spec.vae_patch_size or 1) ** 2  # the patchified frame's channels
     return AutoencoderKLWan(
         base_dim=spec.vae_base_dim,
+        decoder_base_dim=spec.vae_decoder_base_dim,
         z_dim=spec.z_dim,
         dim_mult=list(spec.vae_dim_mult),
         num_res_blocks=spec.vae_res_blocks,
         temperal_downsample=list(spec.vae_temporal_downsample),
         scale_factor_temporal=_TEMPORAL_FACTOR,
         scale_factor_spatial=spec.spatial_factor,
+        is_residual=spec.vae_is_residual,
+        patch_size=spec.vae_patch_size,
+        in_channels=pixel_channels,
+        out_channels=pixel_channels,
         **statistics,
     )
 
@@ -142,20 +174,22 @@ def wan_pipeline(size: WanSize, *, tokenizer: Any, seed: int = 0, dtype: torch.d
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
     spec = _SPECS[size]
     tokenizer.model_max_length = spec.max_length
-    components = seeded_components(
-        [(name, lambda make=make: make(spec), seed) for name, make in
-         (("transformer", _transformer), ("vae", _vae), ("text_encoder", _text_encoder))], dtype)
+    makers = [("transformer", _transformer, seed), ("vae", _vae, seed), ("text_encoder", _text_encoder, seed)]
+    if spec.boundary_ratio is not None:  # the low-noise expert: same architecture, weights of its own
+        makers.append(("transformer_2", _transformer, seed + 1))
+    components = seeded_components([(name, lambda make=make: make(spec), s) for name, make, s in makers], dtype)
     with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
         scheduler = _scheduler(spec)
-    return WanPipeline(tokenizer=tokenizer, scheduler=scheduler, **components)
+    return WanPipeline(tokenizer=tokenizer, scheduler=scheduler, boundary_ratio=spec.boundary_ratio,
+                       expand_timesteps=spec.expand_timesteps, **components)
 
 
-def build_tiny_wan(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Builds the tiny random-weight ``WanPipeline`` on the CPU and saves it (float32 safetensors),
-    bit-reproducibly (:func:`wan_pipeline`). ``tokenizer_dir`` is a :func:`build_qwen2_tokenizer`
-    output; without it one is built (~3 s)."""
+def build_tiny_wan(out_dir: Path, *, size: WanSize = "tiny", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
+    """Builds a tiny random-weight ``WanPipeline`` (`size`: one of the module docstring's layouts) on the
+    CPU and saves it (float32 safetensors), bit-reproducibly (:func:`wan_pipeline`). ``tokenizer_dir`` is a
+    :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         with torch.device("cpu"):
-            pipe = wan_pipeline("tiny", tokenizer=tokenizer, seed=seed)
+            pipe = wan_pipeline(size, tokenizer=tokenizer, seed=seed)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

@@ -26,6 +26,9 @@ from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 _SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width)
 
+# The pipeline component every family denoises with; Wan2.2-A14B adds a second expert (`transformer_2`).
+PRIMARY_EXPERT = "transformer"
+
 
 class TextProcessor(abc.ABC):
     """The CPU side of a family: chat template and tokenization, used by the ingress.
@@ -73,6 +76,14 @@ class ImageGeometry:
     temporal_factor: int | None = None  # video families: frames per latent frame after the first
     max_frames: int = 1
     temporal_patch: int = 1  # latent frames per transformer token
+    experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
+
+    def check_guidance(self, guidance_scale_2: float | None) -> None:
+        """Raise InvalidRequestError unless the model has a second expert for a second guidance scale."""
+        if guidance_scale_2 is not None and self.experts < 2:
+            raise InvalidRequestError(
+                f"only two-expert checkpoints (Wan2.2-T2V-A14B) take a second guidance scale; this {self.family} "
+                "model has one transformer: leave it unset", "sampling.guidance_scale_2")
 
     def check(self, height: int, width: int, num_frames: int = 1) -> None:
         """Raise InvalidRequestError naming the field when the model cannot take height x width x num_frames."""
@@ -199,14 +210,26 @@ class DiffusionPolicy(abc.ABC):
 
     @property
     def transformer(self) -> torch.nn.Module:
-        """The denoiser: what RL trains and what weight sync replaces."""
+        """The denoiser (with several experts, the primary one): what RL trains and weight sync replaces."""
         return self.pipeline.transformer
 
+    @property
+    def experts(self) -> dict[str, torch.nn.Module]:
+        """Every denoiser by its pipeline component name, the primary ``transformer`` first: what RL may
+        train and weight sync may replace (Wan2.2-A14B: ``transformer`` and ``transformer_2``)."""
+        return {PRIMARY_EXPERT: self.transformer}
+
+    @property
+    def probe_sigmas(self) -> tuple[float, ...]:
+        """Sigmas at which a health probe runs the model: one step of each expert (here: sigma 1)."""
+        return (1.0,)
+
     def compile_transformer(self, *, backend: str = "inductor") -> None:
-        """Compile the transformer's forward with torch.compile, in place (``nn.Module.compile``: the
+        """Compile every expert's forward with torch.compile, in place (``nn.Module.compile``: the
         module, its parameter names and its weight versions stay as they are; a LoRA version added later
         recompiles once). For sampling only: the trainer's replay stays eager (``model.compile``)."""
-        self.transformer.compile(backend=backend)
+        for expert in self.experts.values():
+            expert.compile(backend=backend)
         self.compiled = True
 
     # -- geometry and schedule -------------------------------------------------------------
@@ -239,7 +262,7 @@ class DiffusionPolicy(abc.ABC):
     @property
     def geometry(self) -> ImageGeometry:
         return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple,
-                             self.temporal_factor, self.max_frames, self.temporal_patch)
+                             self.temporal_factor, self.max_frames, self.temporal_patch, len(self.experts))
 
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None:
         self.geometry.check(height, width, num_frames)
@@ -298,13 +321,26 @@ class DiffusionPolicy(abc.ABC):
         height: int,
         width: int,
     ) -> torch.Tensor:
-        """Velocity in float32 [B, ...]; with CFG (scale > 1 and a negative), one forward of 2B rows."""
-        if negative is None or guidance_scale <= 1.0:
+        """Velocity in float32 [B, ...]; with a negative, true CFG at `guidance_scale` (one forward of 2B rows).
+
+        Whether CFG runs is the caller's choice, once per request (a negative when sampling.guidance_scale > 1,
+        as the stock pipelines decide); the scale of a step may then be any value (Wan2.2's guidance_scale_2)."""
+        if negative is None:
             return self.predict(latents, sigma, cond, height=height, width=width).float()
         batch = latents.shape[0]
         both = PromptEmbeds.cat([cond, negative.select(torch.zeros(batch, dtype=torch.long))])
         out = self.predict(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, height=height, width=width)
         return combine_cfg(out[:batch], out[batch:], guidance_scale, renormalize=self.cfg_renormalize)
+
+    def guidance_scale_at(self, sigma: torch.Tensor, params: SamplingParams) -> float:
+        """The true-CFG scale of the step at `sigma`: sampling.guidance_scale (Wan2.2-A14B's low-noise
+        expert takes sampling.guidance_scale_2).
+
+        Raises:
+            InvalidRequestError: sampling.guidance_scale_2 is set for a model with one expert.
+        """
+        self.geometry.check_guidance(params.guidance_scale_2)
+        return params.guidance_scale
 
     @abc.abstractmethod
     def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:

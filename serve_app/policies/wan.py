@@ -1,5 +1,5 @@
-"""Wan2.1 text-to-video: a UMT5 text encoder, a WanTransformer3DModel over 1x2x2 patches of 5-D latents
-[B, C, F', H', W'], the causal 3-D AutoencoderKLWan.
+"""Wan text-to-video (Wan2.1, and Wan2.2 below): a UMT5 text encoder, a WanTransformer3DModel over 1x2x2
+patches of 5-D latents [B, C, F', H', W'], the causal 3-D AutoencoderKLWan.
 
 Mirrors the stock ``WanPipeline.__call__`` (diffusers 0.42):
 
@@ -22,8 +22,25 @@ checkout with ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` - the same t
 ``sigma' = s sigma / (1 + (s - 1) sigma)`` applied to FlowMatchEuler's own spacing - and leaves the
 pipeline's scheduler untouched (``pipeline.scheduler`` is still UniPC for anyone calling the stock
 ``__call__``). A checkout whose scheduler already is FlowMatchEuler (the embedded tiny Wan) is used
-as it is, so the stock call at noise 0 is exactly our ODE. Wan2.2's two-expert pipelines
-(``transformer_2``/``boundary_ratio``) and ``expand_timesteps`` are refused at load.
+as it is, so the stock call at noise 0 is exactly our ODE.
+
+Wan2.2 runs through the same adapter, detected from the checkout (``model_index.json``):
+
+* Two experts (Wan2.2-T2V-A14B: ``transformer_2`` and ``boundary_ratio``). A step whose timestep
+  ``t = sigma x num_train_timesteps`` is at least ``boundary_ratio x num_train_timesteps`` runs the
+  high-noise expert ``transformer`` with ``guidance_scale``; a step below it runs the low-noise expert
+  ``transformer_2`` with ``sampling.guidance_scale_2`` (None: ``guidance_scale``), as the stock loop does.
+  The expert is a function of the step's sigma alone (:func:`expert_at`), so a trajectory needs no record
+  of it: ``replay_step`` recomputes a stored step with the expert that sampled it, and an SDE window may
+  lie across the boundary (its steps then train different experts).
+* Per-token timesteps (Wan2.2-TI2V-5B: ``expand_timesteps``). The transformer gets a timestep per latent
+  token, [B, tokens]; in text-to-video every token has the step's timestep (the stock pipeline's mask is
+  all ones; only image-to-video zeroes the first latent frame's). Its VAE (48 channels, frames patchified
+  2x2 before the spatial factor 8: ``vae_scale_factor_spatial`` 16) needs nothing of its own here: the
+  geometry reads the VAE's factors and the transformer's ``in_channels``.
+
+Image-to-video checkouts (an image encoder, ``transformer.config.image_dim``, or a transformer taking
+more latent channels than the VAE makes) are refused at load, naming what the adapter cannot feed.
 """
 
 from __future__ import annotations
@@ -37,11 +54,60 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer
 
-from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 TOKENIZER_SLOT = "tokenizer"
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
+HIGH_NOISE_EXPERT = PRIMARY_EXPERT  # Wan2.2's `transformer`: timesteps at or above the boundary
+LOW_NOISE_EXPERT = "transformer_2"  # Wan2.2's `transformer_2`: timesteps below it
+
+
+def expert_at(timestep: torch.Tensor, boundary_timestep: float | None) -> str:
+    """The expert the stock WanPipeline runs at a step of timestep ``t = sigma x num_train_timesteps``
+    (a float32 0-d tensor): the high-noise ``transformer`` when ``t >= boundary_timestep`` (every step of a
+    one-transformer checkout, whose boundary is None), else the low-noise ``transformer_2``. Compared as
+    the stock loop compares, tensor against Python float (in float32), so a timestep on the boundary goes
+    to the same expert."""
+    if boundary_timestep is None or bool(timestep.to(torch.float32) >= boundary_timestep):
+        return HIGH_NOISE_EXPERT
+    return LOW_NOISE_EXPERT
+
+
+def unsupported_parts(pipeline: Any) -> list[str]:
+    """What in a WanPipeline this text-to-video adapter cannot run, one line each (empty: it runs it)."""
+    problems = []
+    experts = {name: getattr(pipeline, name, None) for name in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT)}
+    boundary_ratio = pipeline.config.get("boundary_ratio")
+    if experts[HIGH_NOISE_EXPERT] is None:
+        problems.append("no `transformer` (the high-noise expert; a checkout with only `transformer_2` is not "
+                        "supported)")
+    if boundary_ratio is not None and experts[LOW_NOISE_EXPERT] is None:
+        problems.append(f"boundary_ratio {boundary_ratio} but no `transformer_2`: the low-noise expert the steps "
+                        "below the boundary need is missing")
+    if boundary_ratio is None and experts[LOW_NOISE_EXPERT] is not None:
+        problems.append("a `transformer_2` but no boundary_ratio in model_index.json: nothing says at which "
+                        "timestep the low-noise expert takes over")
+    if getattr(pipeline, "image_encoder", None) is not None:
+        problems.append("an `image_encoder`: image-to-video conditioning is not supported (text-to-video only)")
+    z_dim = pipeline.vae.config.z_dim
+    for name, expert in experts.items():
+        if expert is None:
+            continue
+        config = expert.config
+        if config.get("image_dim") is not None:
+            problems.append(f"{name}.config.image_dim = {config.image_dim}: the transformer expects image "
+                            "embeddings (image-to-video), which this text-to-video adapter does not feed")
+        if config.in_channels != z_dim or config.out_channels != z_dim:
+            problems.append(f"{name}.config in_channels/out_channels = {config.in_channels}/{config.out_channels}, "
+                            f"the VAE's z_dim {z_dim}: the transformer takes conditioning latent channels "
+                            "(image-to-video) this adapter does not feed")
+    if all(expert is not None for expert in experts.values()):
+        high, low = (experts[n].config for n in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT))
+        if tuple(high.patch_size) != tuple(low.patch_size) or high.rope_max_seq_len != low.rope_max_seq_len:
+            problems.append("`transformer` and `transformer_2` differ in patch_size or rope_max_seq_len: "
+                            "one latent geometry must fit both experts")
+    return problems
 
 
 def max_sequence_length(tokenizer: Any) -> int:
@@ -106,14 +172,52 @@ class WanPolicy(DiffusionPolicy):
     cfg_renormalize = False
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
-        if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("expand_timesteps", False):
-            raise ValueError("Wan2.2 pipelines (transformer_2 / expand_timesteps) are not supported; Wan2.1 T2V is")
+        problems = unsupported_parts(pipeline)
+        if problems:
+            raise ValueError("this Wan checkout is not supported (text-to-video Wan2.1 / Wan2.2 are): "
+                             + "; ".join(problems))
         super().__init__(pipeline, device=device, dtype=dtype)
         self._flow_scheduler = flow_match_scheduler(pipeline.scheduler)
+        ratio = pipeline.config.get("boundary_ratio")
+        # The stock loop's boundary: boundary_ratio x the pipeline scheduler's num_train_timesteps.
+        self.boundary_timestep: float | None = (
+            None if ratio is None else float(ratio) * pipeline.scheduler.config.num_train_timesteps)
+        self.expand_timesteps = bool(pipeline.config.get("expand_timesteps", False))
 
     @staticmethod
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
         return [pipeline.text_encoder, pipeline.vae]
+
+    @property
+    def experts(self) -> dict[str, torch.nn.Module]:
+        """``transformer``, and Wan2.2-A14B's low-noise ``transformer_2`` when the checkout has one."""
+        experts = {HIGH_NOISE_EXPERT: self.pipeline.transformer}
+        if self.pipeline.transformer_2 is not None:
+            experts[LOW_NOISE_EXPERT] = self.pipeline.transformer_2
+        return experts
+
+    @property
+    def probe_sigmas(self) -> tuple[float, ...]:
+        if self.boundary_timestep is None:
+            return super().probe_sigmas
+        # Half the boundary's sigma lies below it: a step of the low-noise expert.
+        return (1.0, 0.5 * self.boundary_timestep / self._flow_scheduler.config.num_train_timesteps)
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep of sigmas: sigma x num_train_timesteps in float32, as the stock
+        scheduler's ``timesteps`` are."""
+        return sigma.to(torch.float32) * self._flow_scheduler.config.num_train_timesteps
+
+    def expert_at_sigma(self, sigma: float | torch.Tensor) -> str:
+        """The expert that takes a step of this sigma (:func:`expert_at` of its timestep)."""
+        return expert_at(self.timestep(torch.as_tensor(sigma).cpu()), self.boundary_timestep)
+
+    def guidance_scale_at(self, sigma: torch.Tensor, params: SamplingParams) -> float:
+        if self.boundary_timestep is None:
+            return super().guidance_scale_at(sigma, params)
+        if self.expert_at_sigma(sigma) == LOW_NOISE_EXPERT and params.guidance_scale_2 is not None:
+            return params.guidance_scale_2
+        return params.guidance_scale
 
     def _make_text_processor(self) -> WanTextProcessor:
         return WanTextProcessor({TOKENIZER_SLOT: self.pipeline.tokenizer})
@@ -206,13 +310,29 @@ class WanPolicy(DiffusionPolicy):
                              f"{self.max_sequence_length}")
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, padding))
         # The stock loop passes the scheduler's timesteps: sigma x num_train_timesteps in float32.
-        timestep = sigma.to(device=latents.device, dtype=torch.float32) * self._flow_scheduler.config.num_train_timesteps
-        return self.pipeline.transformer(
-            hidden_states=latents.to(self.dtype),
-            timestep=timestep,
-            encoder_hidden_states=embeds,
-            return_dict=False,
-        )[0]
+        timestep = self.timestep(sigma.to(latents.device))
+        latents = latents.to(self.dtype)
+        if self.boundary_timestep is None:
+            return self._expert_forward(self.pipeline.transformer, latents, timestep, embeds)
+        # Each row runs the expert of its own timestep (in a batch they all share one).
+        high = timestep >= self.boundary_timestep
+        if bool(high.all()) or not bool(high.any()):
+            expert = self.pipeline.transformer if bool(high.all()) else self.pipeline.transformer_2
+            return self._expert_forward(expert, latents, timestep, embeds)
+        rows = [high.nonzero()[:, 0], (~high).nonzero()[:, 0]]
+        parts = [self._expert_forward(expert, latents[r], timestep[r], embeds[r])
+                 for expert, r in zip((self.pipeline.transformer, self.pipeline.transformer_2), rows)]
+        return torch.cat(parts)[torch.argsort(torch.cat(rows))]
+
+    def _expert_forward(self, expert: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                        embeds: torch.Tensor) -> torch.Tensor:
+        """One expert's output for latents [B, C, F', H', W'] at timesteps [B]; with expand_timesteps the
+        transformer gets [B, tokens], every token at its row's timestep (text-to-video: no conditioning frame)."""
+        if self.expand_timesteps:
+            t, h, w = self._patch_size
+            tokens = (latents.shape[2] // t) * (latents.shape[3] // h) * (latents.shape[4] // w)
+            timestep = timestep[:, None].expand(-1, tokens)
+        return expert(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
 
     @torch.no_grad()
     def encode_videos(self, videos: torch.Tensor) -> torch.Tensor:
@@ -247,6 +367,7 @@ class WanPolicy(DiffusionPolicy):
         cfg = params.guidance_scale > 1
         return self.pipeline(
             prompt=prompt, negative_prompt=params.negative_prompt if cfg else None, guidance_scale=params.guidance_scale,
+            guidance_scale_2=params.guidance_scale_2,
             height=params.height, width=params.width, num_frames=params.num_frames, num_inference_steps=params.num_steps,
             max_sequence_length=self.max_sequence_length, latents=latents.clone(), num_videos_per_prompt=len(latents),
             output_type="pt",

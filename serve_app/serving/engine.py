@@ -112,13 +112,14 @@ class DiffusersEngine:
         # The fewest frames the model takes: a transformer with two-frame tokens refuses one latent frame.
         shape = policy.latent_shape(side, side, policy.geometry.min_frames)
         latents = torch.zeros((1, *shape), device=policy.device, dtype=policy.dtype)
-        sigma = torch.ones(1, device=policy.device)
+        # One sigma per expert (Wan2.2-A14B: a step of each), so a broken low-noise expert is caught too.
+        sigmas = torch.tensor(policy.probe_sigmas, device=policy.device)
         # Eager even when the transformer is compiled: compiling the probe's one-off shape could take longer
         # than a health check may, and Serve would replace a healthy replica.
         eager = torch.compiler.set_stance("force_eager") if policy.compiled else contextlib.nullcontext()
         with eager:
-            return policy.velocity(latents, sigma, self._probe_conditioning, negative=None, guidance_scale=1.0,
-                                   height=side, width=side)
+            return torch.cat([policy.velocity(latents, sigma[None], self._probe_conditioning, negative=None,
+                                              guidance_scale=1.0, height=side, width=side) for sigma in sigmas])
 
     def generate_embedded(self, chunk: EmbeddedChunk) -> Trajectory:
         """Sample from already encoded prompts (the contract's embeddings entry); raises on error."""

@@ -114,6 +114,7 @@ class RolloutPlanner:
         tokens: a video request cannot pass for an image-sized one.
         """
         self.geometry.check(sampling.height, sampling.width, sampling.num_frames)
+        self.geometry.check_guidance(sampling.guidance_scale_2)
         latent_frames = self.geometry.latent_frames(sampling.num_frames)
         if latent_frames > self.limits.chunk_size:
             raise RequestTooLargeError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from serve_app.config import RolloutConfig, Section, load_config
 from serve_app.imports import import_object
@@ -30,6 +30,20 @@ class LoraSection(Section):
         min_length=1,
         description="Module names (suffixes) that get adapters: the attention projections.",
     )
+    experts: list[Literal["transformer", "transformer_2"]] | None = Field(
+        None,
+        min_length=1,
+        description="The denoisers that train (LoRA, or all their weights when disabled), by pipeline component: "
+        "'transformer' (every family's; Wan2.2-A14B's high-noise expert) and 'transformer_2' (Wan2.2-A14B's "
+        "low-noise expert); None: every one the checkpoint has. An expert left out stays at its base weights.",
+    )
+
+    @field_validator("experts")
+    @classmethod
+    def _distinct_experts(cls, experts: list[str] | None) -> list[str] | None:
+        if experts is not None and len(set(experts)) != len(experts):
+            raise ValueError(f"experts must not repeat a name; got {experts}")
+        return experts
 
 
 class EvaluationSection(Section):

@@ -1,9 +1,13 @@
-"""What the trainer trains: a peft LoRA adapter named like the replicas' one, or the whole transformer.
+"""What the trainer trains: a peft LoRA adapter named like the replicas' one, or the whole transformer -
+on each expert `trainer.lora.experts` names (Wan2.2-A14B: `transformer` and/or `transformer_2`; every
+other family has the one `transformer`).
 
-The adapter is added with `transformer.add_adapter(..., adapter_name="flowgrpo")` (diffusers'
-PeftAdapterMixin) exactly as :class:`serve_app.weights.replica.PolicyVersions` does on a replica, so the keys
-of `get_peft_model_state_dict` load there unchanged. peft's default init sets B = 0: a fresh
-adapter is a no-op and the trainer's weights at version 0 equal the base checkpoint's.
+The adapter is added with `expert.add_adapter(..., adapter_name=adapter_name(expert))` (diffusers'
+PeftAdapterMixin; "flowgrpo" on the transformer, "flowgrpo_transformer_2" on the low-noise expert)
+exactly as :class:`serve_app.weights.replica.PolicyVersions` does on a replica, so the keys of
+`get_peft_model_state_dict` (another expert's prefixed with its name) load there unchanged. peft's
+default init sets B = 0: a fresh adapter is a no-op and the trainer's weights at version 0 equal the
+base checkpoint's. Experts not named stay frozen at their base weights.
 
 It also keeps the trainable tensors of the last few published versions (`keep_version`), so that a batch
 sampled a few updates ago is replayed with the weights that sampled it (`at_version`): only the trainable
@@ -20,11 +24,11 @@ import torch
 
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.trainer.config import LoraSection
-from serve_app.weights.versions import ADAPTER, LoraSpec, WeightKind
+from serve_app.weights.versions import LoraSpec, WeightKind, adapter_name, expert_key
 
 
 class TrainableTransformer:
-    """Owns the trainable part of a policy's transformer, the reference policy for the KL term and the
+    """Owns the trainable part of a policy's experts, the reference policy for the KL term and the
     trainable tensors of the last `keep_versions` published versions."""
 
     def __init__(self, policy: DiffusionPolicy, lora: LoraSection, *, keep_versions: int = 0) -> None:
@@ -34,18 +38,25 @@ class TrainableTransformer:
         self.lora = lora
         self.keep_versions = keep_versions
         self._versions: dict[int, dict[str, torch.Tensor]] = {}  # oldest first
-        transformer = policy.transformer
-        transformer.requires_grad_(False)
-        self._reference: torch.nn.Module | None = None
-        if lora.enabled:
-            transformer.add_adapter(self.spec.peft_config(), adapter_name=ADAPTER)
-            transformer.set_adapter(ADAPTER)
-        else:
-            self._reference = copy.deepcopy(transformer).eval()
-            transformer.requires_grad_(True)
-        self.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        self.experts = trained_experts(policy, lora)
+        for module in policy.experts.values():
+            module.requires_grad_(False)
+        self._reference: dict[str, torch.nn.Module] = {}
+        for expert, module in self.experts.items():
+            if lora.enabled:
+                module.add_adapter(self.spec.peft_config(), adapter_name=adapter_name(expert))
+                module.set_adapter(adapter_name(expert))
+            else:
+                self._reference[expert] = copy.deepcopy(module).eval()
+                module.requires_grad_(True)
+        self.named = self.trainable_parameters()
         if not self.named:
             raise ValueError(f"no trainable parameters: lora.target_modules {lora.target_modules} matched nothing")
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The trainable parameters by the names a version gives them (another expert's prefixed)."""
+        return {expert_key(expert, n): p for expert, module in self.experts.items()
+                for n, p in module.named_parameters() if p.requires_grad}
 
     @property
     def kind(self) -> WeightKind:
@@ -61,15 +72,18 @@ class TrainableTransformer:
         return list(self.named.values())
 
     def publishable_state(self) -> dict[str, torch.Tensor]:
-        """The tensors a replica installs for a version (peft keys for LoRA, the state dict otherwise)."""
-        transformer = self.policy.transformer
-        if self.lora.enabled:
-            from peft import get_peft_model_state_dict
+        """The tensors a replica installs for a version (peft keys for LoRA, the state dict otherwise), of
+        every trained expert."""
+        state = {}
+        for expert, module in self.experts.items():
+            if self.lora.enabled:
+                from peft import get_peft_model_state_dict
 
-            state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER)
-        else:
-            state = transformer.state_dict()
-        return {k: v.detach().cpu().clone() for k, v in state.items()}
+                own = get_peft_model_state_dict(module, adapter_name=adapter_name(expert))
+            else:
+                own = module.state_dict()
+            state.update({expert_key(expert, k): v.detach().cpu().clone() for k, v in own.items()})
+        return state
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Trainable parameters by their module names (what a checkpoint stores)."""
@@ -126,28 +140,48 @@ class TrainableTransformer:
         # next forward would use; resharding drops it, so the next forward gathers the tensors just copied.
         from torch.distributed.fsdp import FSDPModule
 
-        for module in self.policy.transformer.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        for expert in self.experts.values():
+            for module in expert.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The frozen base policy for the KL term: adapters off (LoRA) or the frozen copy swapped in."""
-        transformer = self.policy.transformer
+        """The frozen base policy for the KL term: adapters off (LoRA) or the frozen copies swapped in."""
         if self.lora.enabled:
-            transformer.disable_adapters()
+            for module in self.experts.values():
+                module.disable_adapters()
             try:
                 yield
             finally:
-                transformer.enable_adapters()
-                transformer.set_adapter(ADAPTER)
+                for expert, module in self.experts.items():
+                    module.enable_adapters()
+                    module.set_adapter(adapter_name(expert))
         else:
             pipeline = self.policy.pipeline
-            pipeline.transformer = self._reference
+            for expert in self.experts:
+                setattr(pipeline, expert, self._reference[expert])
             try:
                 yield
             finally:
-                pipeline.transformer = transformer
+                for expert, module in self.experts.items():
+                    setattr(pipeline, expert, module)
+
+
+def trained_experts(policy: DiffusionPolicy, lora: LoraSection) -> dict[str, torch.nn.Module]:
+    """The experts `lora.experts` names (None: every expert of the policy), in the policy's order.
+
+    Raises:
+        ValueError: a named expert is not in the checkpoint (the message lists the ones it has).
+    """
+    available = policy.experts
+    if lora.experts is None:
+        return dict(available)
+    missing = [e for e in lora.experts if e not in available]
+    if missing:
+        raise ValueError(f"trainer.lora.experts names {missing}, which this {policy.family} checkpoint lacks; "
+                         f"it has {list(available)}")
+    return {name: module for name, module in available.items() if name in lora.experts}
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

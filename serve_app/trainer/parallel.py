@@ -99,20 +99,20 @@ class DataParallel:
         if self.strategy == "fsdp":
             from torch.distributed.fsdp import FSDPModule, fully_shard
 
-            transformer = model.policy.transformer
-            for child in transformer.children():
-                if isinstance(child, torch.nn.ModuleList):  # the transformer blocks: one all-gather unit each
-                    for block in child:
-                        fully_shard(block)
-            fully_shard(transformer)
-            for module in transformer.modules():
-                if isinstance(module, FSDPModule):
-                    # Sum, not mean: each rank's loss is already scaled by the rows of all ranks. Plain SUM
-                    # collectives, since a divide factor is otherwise applied with PREMUL_SUM, which gloo lacks.
-                    module.set_gradient_divide_factor(1.0)
-                    module.set_force_sum_reduction_for_comms(True)
+            for transformer in model.experts.values():
+                for child in transformer.children():
+                    if isinstance(child, torch.nn.ModuleList):  # the transformer blocks: one all-gather unit each
+                        for block in child:
+                            fully_shard(block)
+                fully_shard(transformer)
+                for module in transformer.modules():
+                    if isinstance(module, FSDPModule):
+                        # Sum, not mean: each rank's loss is already scaled by the rows of all ranks. Plain SUM
+                        # collectives, since a divide factor is otherwise applied with PREMUL_SUM, which gloo lacks.
+                        module.set_gradient_divide_factor(1.0)
+                        module.set_force_sum_reduction_for_comms(True)
             # fully_shard swapped every parameter for a DTensor one: the optimizer must see the new ones.
-            model.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+            model.named = model.trainable_parameters()
 
     # -- per step ---------------------------------------------------------------------------
 

@@ -101,7 +101,8 @@ class PolicyUpdate:
         self.check_behaviour(trajectory, seed=seed, current=check_onpolicy)
         generator = torch.Generator().manual_seed(seed)
         optimizer_steps = 0
-        self.policy.transformer.train()
+        for expert in self.model.experts.values():
+            expert.train()
         for _epoch in range(cfg.inner_epochs):
             micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
             accum = cfg.grad_accum or len(micro_batches)
@@ -121,7 +122,8 @@ class PolicyUpdate:
                         self.check_onpolicy(stats, step, trajectory.policy_version)
                     self._optimizer_step(stats, step)
                     optimizer_steps += 1
-        self.policy.transformer.eval()
+        for expert in self.model.experts.values():
+            expert.eval()
         return stats
 
     def _micro_loss(self, trajectory: Trajectory, advantages: torch.Tensor, k: int, rows: torch.Tensor,

@@ -16,7 +16,9 @@ import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.weights.versions import ADAPTER, BASE_HASH, LoraSpec, VersionStore, WeightVersion, content_hash
+from serve_app.weights.versions import (
+    ADAPTER, BASE_HASH, LoraSpec, VersionStore, WeightVersion, adapter_name, by_expert, content_hash, expert_key,
+)
 
 
 def replica_name() -> str:
@@ -32,29 +34,35 @@ def replica_name() -> str:
         return f"process {os.getpid()}"
 
 
-def held_tensors(transformer: torch.nn.Module, weights: WeightVersion) -> dict[str, torch.Tensor]:
-    """What the modules hold under the published tensors' names: the adapter's state (LoRA) or the
-    transformer's state dict (full)."""
-    if weights.kind == "full":
-        state = transformer.state_dict()
-    else:
-        from peft import get_peft_model_state_dict
+def held_tensors(experts: dict[str, torch.nn.Module], weights: WeightVersion) -> dict[str, torch.Tensor]:
+    """What the modules hold under the published tensors' names (expert prefixes included): each targeted
+    expert's adapter state (LoRA) or state dict (full)."""
+    held = {}
+    for expert, published in by_expert(weights.tensors).items():
+        module = experts.get(expert)
+        if module is None:
+            continue
+        if weights.kind == "full":
+            state = module.state_dict()
+        else:
+            from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(transformer, adapter_name=ADAPTER)
-    return {name: state[name] for name in weights.tensors if name in state}
+            state = get_peft_model_state_dict(module, adapter_name=adapter_name(expert))
+        held.update({expert_key(expert, name): state[name] for name in published if name in state})
+    return held
 
 
-def check_held(transformer: torch.nn.Module, weights: WeightVersion, *, replica: str) -> str:
-    """Compare what the modules hold with the published tensors; return the content hash to stamp.
+def check_held(experts: dict[str, torch.nn.Module], weights: WeightVersion, *, replica: str) -> str:
+    """Compare what the experts' modules hold with the published tensors; return the content hash to stamp.
 
     Each tensor is compared at the precision the module holds it in (a bf16 transformer holds the
     published values rounded), and the hash is recomputed from the modules when they hold the
-    published dtypes.
+    published dtypes: over every expert the version targets.
 
     Raises:
         WeightMismatchError: a published tensor is missing from the modules or holds other values.
     """
-    held = held_tensors(transformer, weights)
+    held = held_tensors(experts, weights)
     bound = [
         name for name, published in weights.tensors.items()
         if name in held and torch.equal(held[name].detach().cpu(), published.to(held[name].dtype))
@@ -77,8 +85,9 @@ def check_held(transformer: torch.nn.Module, weights: WeightVersion, *, replica:
 
 
 class PolicyVersions:
-    """Moves a policy's transformer between weight versions (LoRA adapters or full state dicts) and
-    keeps the content hash of what it holds (`current_hash`)."""
+    """Moves a policy's experts (its transformer; Wan2.2-A14B's two) between weight versions (LoRA adapters
+    or full state dicts) and keeps the content hash of what they hold (`current_hash`). An expert a version
+    holds no tensors of is at the base weights while that version is loaded."""
 
     ADAPTER = ADAPTER
 
@@ -87,60 +96,72 @@ class PolicyVersions:
         self.store = store
         self.current = 0
         self.current_hash = BASE_HASH
-        self._base_state: dict[str, torch.Tensor] | None = None
-        self._adapter_spec: LoraSpec | None = None
+        self._base_state: dict[str, dict[str, torch.Tensor]] = {}  # expert -> its base state dict
+        self._adapter_spec: dict[str, LoraSpec] = {}  # expert -> the spec of the adapter it has
 
     def ensure(self, version: int) -> None:
         if version == self.current:
             return
-        transformer = self.policy.transformer
+        experts = self.policy.experts
         if version == 0:
-            self._to_base(transformer)
+            for expert, module in experts.items():
+                self._to_base(expert, module)
             self.current, self.current_hash = 0, BASE_HASH
             return
         if self.store is None:
             raise PolicyVersionError(f"policy version {version} asked for, but this replica has no weight store")
         weights = self.store.load(version)
-        self._apply(transformer, weights)
+        parts = by_expert(weights.tensors)
+        unknown = sorted(set(parts) - set(experts))
+        if unknown:
+            raise WeightMismatchError(f"replica {replica_name()} at policy version {weights.version}: the version "
+                                      f"has tensors of {unknown}, which this model lacks (it has {list(experts)})")
+        for expert, module in experts.items():
+            if expert in parts:
+                self._apply(expert, module, weights, parts[expert])
+            else:
+                self._to_base(expert, module)
         # A failed check leaves current at its old value: the next request for `version` tries again.
-        self.current_hash = check_held(transformer, weights, replica=replica_name())
+        self.current_hash = check_held(experts, weights, replica=replica_name())
         self.current = version
 
-    def _to_base(self, transformer: torch.nn.Module) -> None:
-        if getattr(transformer, "peft_config", None):
-            transformer.disable_adapters()
-        if self._base_state is not None:
-            transformer.load_state_dict(self._base_state)
+    def _to_base(self, expert: str, module: torch.nn.Module) -> None:
+        if getattr(module, "peft_config", None):
+            module.disable_adapters()
+        if expert in self._base_state:
+            module.load_state_dict(self._base_state[expert])
 
-    def _apply(self, transformer: torch.nn.Module, weights: WeightVersion) -> None:
+    def _apply(self, expert: str, module: torch.nn.Module, weights: WeightVersion,
+               tensors: dict[str, torch.Tensor]) -> None:
         if weights.kind == "full":
-            if self._base_state is None:  # keep the base to return to version 0
-                self._base_state = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
-            transformer.load_state_dict(weights.tensors)
+            if expert not in self._base_state:  # keep the base to return to version 0
+                self._base_state[expert] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            module.load_state_dict(tensors)
             return
         from peft import set_peft_model_state_dict
 
         assert weights.lora is not None
-        if self._adapter_spec != weights.lora:
+        adapter = adapter_name(expert)
+        if self._adapter_spec.get(expert) != weights.lora:
             # Checked before peft sees the spec: a failed add_adapter leaves the model half-configured.
-            if not any(_is_target(name, weights.lora.target_modules) for name, _ in transformer.named_modules()):
+            if not any(_is_target(name, weights.lora.target_modules) for name, _ in module.named_modules()):
                 raise WeightMismatchError(
                     f"replica {replica_name()} at policy version {weights.version}: 0 of {len(weights.tensors)} "
                     f"adapter tensors bound (target modules {weights.lora.target_modules} match no module)"
                 )
             # A version with another rank or other targets needs an adapter of its own shape.
-            if ADAPTER in (getattr(transformer, "peft_config", None) or {}):
-                transformer.delete_adapters(ADAPTER)
-            transformer.add_adapter(weights.lora.peft_config(), adapter_name=ADAPTER)
-            self._adapter_spec = weights.lora
-        result = set_peft_model_state_dict(transformer, weights.tensors, adapter_name=ADAPTER)
+            if adapter in (getattr(module, "peft_config", None) or {}):
+                module.delete_adapters(adapter)
+            module.add_adapter(weights.lora.peft_config(), adapter_name=adapter)
+            self._adapter_spec[expert] = weights.lora
+        result = set_peft_model_state_dict(module, tensors, adapter_name=adapter)
         if getattr(result, "unexpected_keys", None):
             raise WeightMismatchError(
                 f"replica {replica_name()} at policy version {weights.version}: LoRA tensors that fit no module "
                 f"of its adapter: {result.unexpected_keys[:3]}"
             )
-        transformer.set_adapter(ADAPTER)
-        transformer.enable_adapters()
+        module.set_adapter(adapter)
+        module.enable_adapters()
 
 
 def _is_target(module_name: str, targets: list[str]) -> bool:

@@ -3,6 +3,11 @@
 Version 0 is the base checkpoint. The trainer publishes versions v >= 1 (LoRA tensors or a whole
 transformer) to a store; replicas fetch a version by number and stamp every trajectory with the
 content hash of the weights they checked they hold.
+
+A model with several experts (Wan2.2-A14B: ``transformer`` and ``transformer_2``) keeps them apart by
+name: the primary ``transformer``'s tensors carry their own names (as for every one-transformer
+family), another expert's carry its component name as a prefix (``transformer_2.blocks.0...``). A
+version holds the tensors of the experts it targets, one or several; the content hash covers them all.
 """
 
 from __future__ import annotations
@@ -10,19 +15,22 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
+from serve_app.policies.base import PRIMARY_EXPERT  # unprefixed tensor names are its
 from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
 __all__ = [
-    "ADAPTER", "BASE_HASH", "LoraSpec", "VersionStore", "WeightKind", "WeightVersion", "check_publishable", "check_weights_hash",
+    "ADAPTER", "BASE_HASH", "PRIMARY_EXPERT", "LoraSpec", "VersionStore", "WeightKind", "WeightVersion", "adapter_name",
+    "by_expert", "check_publishable", "check_weights_hash", "expert_key",
     "content_hash", "missing_version",
 ]
 
@@ -30,6 +38,31 @@ WeightKind = Literal["lora", "full"]
 
 # The adapter name the trainer trains under and every replica loads a LoRA version under.
 ADAPTER = "flowgrpo"
+
+
+def adapter_name(expert: str) -> str:
+    """The peft adapter name of `expert`'s LoRA: ``flowgrpo`` on the primary transformer, ``flowgrpo_<expert>``
+    on another, so two experts' adapters never share a name (in peft or in a pipeline's adapter list)."""
+    return ADAPTER if expert == PRIMARY_EXPERT else f"{ADAPTER}_{expert}"
+
+
+def expert_key(expert: str, name: str) -> str:
+    """A version's name for `expert`'s tensor `name` (the primary's unprefixed)."""
+    return name if expert == PRIMARY_EXPERT else f"{expert}.{name}"
+
+
+def by_expert(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A version's tensors split per expert (names as the expert's module has them), only the experts the
+    version holds tensors of: a name prefixed ``transformer_<n>.`` is that expert's, any other the primary's."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _EXPERT_PREFIX.match(key)
+        expert, name = (match.group(1), key[match.end():]) if match else (PRIMARY_EXPERT, key)
+        parts.setdefault(expert, {})[name] = tensor
+    return parts
+
+
+_EXPERT_PREFIX = re.compile(r"(transformer_\d+)\.")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The conformance suite's matrix: which engines, on which families, and each family's stock pipeline.
+"""The conformance suite's matrix: which engines, on which checkpoints, and each family's stock pipeline.
 
 A new engine joins by adding its factory to ENGINES (it must then pass every test unchanged); a new
-family by adding its embedded checkpoint to FAMILIES (its policy's ``stock_call`` is the stock pipeline).
+family, or a new layout of one (Wan2.2's two experts, its per-token timesteps), by adding its embedded
+checkpoint to CHECKPOINTS (its policy's ``stock_call`` is the stock pipeline).
 """
 
 from __future__ import annotations
@@ -20,33 +21,37 @@ from tests.conformance.fake_engine import fake_bf16_engine
 ENGINES: dict[str, Callable] = {"diffusers": DiffusersEngine}
 FLAGGED_ENGINES: dict[str, Callable] = {"fake_bf16": fake_bf16_engine}
 
-FAMILIES = {
-    "qwen_image": "tiny-qwen-image",
-    "sd3": "tiny-sd3",
-    "flux": "tiny-flux",
-    "wan": "tiny-wan",
+# Embedded checkpoint -> its family. tiny-wan22's 3-step schedule crosses its boundary after step 0, so
+# the suite's window (steps 0-1) lies across it and its noise-0 run uses both experts.
+CHECKPOINTS = {
+    "tiny-qwen-image": "qwen_image",
+    "tiny-sd3": "sd3",
+    "tiny-flux": "flux",
+    "tiny-wan": "wan",
+    "tiny-wan22": "wan",
+    "tiny-wan22-ti2v": "wan",
 }
 
 # Sampling a family needs beyond the suite's common settings: video families sample a few frames.
 FAMILY_SAMPLING = {"wan": {"num_frames": 5}}
 
 
-def family_sampling(family: str, params: SamplingParams) -> SamplingParams:
-    """`params` with what `family` needs on top (FAMILY_SAMPLING)."""
-    return params.model_copy(update=FAMILY_SAMPLING.get(family, {}))
+def checkpoint_sampling(checkpoint: str, params: SamplingParams) -> SamplingParams:
+    """`params` with what the checkpoint's family needs on top (FAMILY_SAMPLING)."""
+    return params.model_copy(update=FAMILY_SAMPLING.get(CHECKPOINTS[checkpoint], {}))
 
 
 @pytest.fixture(scope="session")
 def conformance_policies(flowgrpo_home):
-    """family -> a policy of its own (weight versions change it; no other test shares it), loaded once."""
+    """checkpoint -> a policy of its own (weight versions change it; no other test shares it), loaded once."""
     from serve_app.models import ensure_embedded_model
     from serve_app.policies import load_policy
 
     loaded: dict[str, DiffusionPolicy] = {}
 
-    def get(family: str) -> DiffusionPolicy:
-        if family not in loaded:
-            loaded[family] = load_policy(ensure_embedded_model(FAMILIES[family]), family=family)
-        return loaded[family]
+    def get(checkpoint: str) -> DiffusionPolicy:
+        if checkpoint not in loaded:
+            loaded[checkpoint] = load_policy(ensure_embedded_model(checkpoint), family=CHECKPOINTS[checkpoint])
+        return loaded[checkpoint]
 
     return get

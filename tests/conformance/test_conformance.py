@@ -1,6 +1,7 @@
-"""The engine contract's invariants (serve_app/serving/engine_contract.py), checked for every engine x family on
-CPU: seed-only noise, noise 0 == the stock pipeline, replay ratio 1, version pinning. A future engine
-is added to conftest.ENGINES and must pass this file unchanged; FLAGGED_ENGINES must fail it."""
+"""The engine contract's invariants (serve_app/serving/engine_contract.py), checked for every engine x checkpoint
+(each family, and Wan2.2's layouts) on CPU: seed-only noise, noise 0 == the stock pipeline, replay ratio 1,
+version pinning. A future engine is added to conftest.ENGINES and must pass this file unchanged;
+FLAGGED_ENGINES must fail it."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from serve_app.media import to_uint8
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import BASE_HASH, WeightStore
 
-from tests.conformance.conftest import ENGINES, FAMILIES, FLAGGED_ENGINES, family_sampling
+from tests.conformance.conftest import CHECKPOINTS, ENGINES, FLAGGED_ENGINES, checkpoint_sampling
 
 # True CFG on, a 2-step SDE window that always starts at step 0 (so chunks of different requests fuse).
 SAMPLING = SamplingParams(height=32, width=32, num_steps=3, guidance_scale=4.0, noise_level=1.0,
                           sde_window_size=2, sde_window_range=(0, 1))
 PROMPT = "a red circle on a blue square"
-PAIRS = [(engine, family) for engine in ENGINES for family in FAMILIES]
+PAIRS = [(engine, checkpoint) for engine in ENGINES for checkpoint in CHECKPOINTS]
 
 
 def _planner(engine_policy, sampling: SamplingParams, store=None) -> RolloutPlanner:
@@ -46,12 +47,13 @@ def _one(engine, chunk):
     return result
 
 
-@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
-def test_a_samples_noise_depends_on_its_seed_only(conformance_policies, engine_name, family):
-    policy = conformance_policies(family)
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_a_samples_noise_depends_on_its_seed_only(conformance_policies, engine_name, checkpoint):
+    policy = conformance_policies(checkpoint)
     engine = ENGINES[engine_name](policy)
-    assert isinstance(engine, SamplingEngine) and engine.family == family and engine.geometry == policy.geometry
-    planner = _planner(policy, family_sampling(family, SAMPLING))
+    assert isinstance(engine, SamplingEngine) and engine.family == CHECKPOINTS[checkpoint]
+    assert engine.geometry == policy.geometry
+    planner = _planner(policy, checkpoint_sampling(checkpoint, SAMPLING))
     cat, dog = _chunks(planner, ["a cat", "a dog"], seed=5)
     (house,) = _chunks(planner, ["a red house"], seed=9)
     alone = _one(engine, dog)
@@ -76,14 +78,14 @@ def test_a_samples_noise_depends_on_its_seed_only(conformance_policies, engine_n
 
 @pytest.fixture(scope="module")
 def noise_zero_case(conformance_policies):
-    """(family, guidance) -> (params, a one-sample chunk at noise 0, the stock pipeline's float images from the
+    """(checkpoint, guidance) -> (params, a one-sample chunk at noise 0, the stock pipeline's float images from the
     initial latents the contract derives from its seed), computed once per module."""
     cases = {}
 
-    def get(family: str, guidance_scale: float):
-        if (family, guidance_scale) not in cases:
-            policy = conformance_policies(family)
-            params = family_sampling(family, SAMPLING).model_copy(
+    def get(checkpoint: str, guidance_scale: float):
+        if (checkpoint, guidance_scale) not in cases:
+            policy = conformance_policies(checkpoint)
+            params = checkpoint_sampling(checkpoint, SAMPLING).model_copy(
                 update={"noise_level": 0.0, "guidance_scale": guidance_scale, "sde_window_size": None})
             planner = _planner(policy, params)
             (chunk,) = planner.plan(RolloutRequest(prompts=[PROMPT], group_size=1, seed=11, policy_version=0)).chunks
@@ -91,17 +93,18 @@ def noise_zero_case(conformance_policies):
             stock = policy.stock_call(PROMPT, params, latents)
             frames = () if params.num_frames == 1 else (params.num_frames,)
             assert stock.shape == (1, *frames, 3, 32, 32) and float(stock.std()) > 1e-3  # not a blank image
-            cases[family, guidance_scale] = (params, chunk, latents, stock)
-        return cases[family, guidance_scale]
+            cases[checkpoint, guidance_scale] = (params, chunk, latents, stock)
+        return cases[checkpoint, guidance_scale]
 
     return get
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
-@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
-def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case, engine_name, family, guidance_scale):
-    params, chunk, _, stock = noise_zero_case(family, guidance_scale)
-    trajectory = _one(ENGINES[engine_name](conformance_policies(family)), chunk)
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case, engine_name, checkpoint,
+                                          guidance_scale):
+    params, chunk, _, stock = noise_zero_case(checkpoint, guidance_scale)
+    trajectory = _one(ENGINES[engine_name](conformance_policies(checkpoint)), chunk)
     assert torch.equal(trajectory.log_probs, torch.zeros(1, params.num_steps - 1))
     # uint8 images: equal, except where the stock value sits on a rounding boundary (a 1e-5 difference
     # may round either way there).
@@ -112,21 +115,21 @@ def test_noise_zero_is_the_stock_pipeline(conformance_policies, noise_zero_case,
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 def test_the_family_sampler_at_noise_zero_is_the_stock_pipeline_in_float(conformance_policies, noise_zero_case,
-                                                                          ode_sample, family, guidance_scale):
+                                                                          ode_sample, checkpoint, guidance_scale):
     """What the diffusers engine runs, before the uint8 cast: equal to the stock `__call__` to 1e-5."""
-    policy = conformance_policies(family)
-    params, chunk, latents, stock = noise_zero_case(family, guidance_scale)
+    policy = conformance_policies(checkpoint)
+    params, chunk, latents, stock = noise_zero_case(checkpoint, guidance_scale)
     image, log_probs = ode_sample(policy, PROMPT, params, latents, sample_generators(chunk.seeds))
     torch.testing.assert_close(image, stock, atol=1e-5, rtol=0)
     assert torch.equal(log_probs, torch.zeros(1, params.num_steps - 1))
 
 
-@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
-def test_the_trainers_replay_gives_ratio_one(conformance_policies, engine_name, family):
-    policy = conformance_policies(family)
-    planner = _planner(policy, family_sampling(family, SAMPLING))
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_the_trainers_replay_gives_ratio_one(conformance_policies, engine_name, checkpoint):
+    policy = conformance_policies(checkpoint)
+    planner = _planner(policy, checkpoint_sampling(checkpoint, SAMPLING))
     fused, _ = ENGINES[engine_name](policy).generate(_chunks(planner, ["a cat", "a dog"], seed=3))
     for trajectory in fused:
         verdict = replay_verdict(policy, trajectory)
@@ -135,10 +138,10 @@ def test_the_trainers_replay_gives_ratio_one(conformance_policies, engine_name, 
 
 
 @pytest.mark.parametrize("flagged", list(FLAGGED_ENGINES))
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_suite_flags_an_engine_whose_replay_differs(conformance_policies, flagged, family):
-    policy = conformance_policies(family)
-    (chunk,) = _chunks(_planner(policy, family_sampling(family, SAMPLING)), ["a cat"], seed=3)
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_the_suite_flags_an_engine_whose_replay_differs(conformance_policies, flagged, checkpoint):
+    policy = conformance_policies(checkpoint)
+    (chunk,) = _chunks(_planner(policy, checkpoint_sampling(checkpoint, SAMPLING)), ["a cat"], seed=3)
     real = replay_verdict(policy, _one(ENGINES["diffusers"](policy), chunk))
     fake = replay_verdict(policy, _one(FLAGGED_ENGINES[flagged](policy), chunk))
     assert real.ok, real.message
@@ -147,12 +150,12 @@ def test_the_suite_flags_an_engine_whose_replay_differs(conformance_policies, fl
     assert fake.summary.max > 10 * REPLAY_TOLERANCE and fake.summary.max > 10 * real.summary.max
 
 
-@pytest.mark.parametrize(("engine_name", "family"), PAIRS)
-def test_versions_are_pinned_and_stamped(conformance_policies, engine_name, family, tmp_path):
-    policy = conformance_policies(family)
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_versions_are_pinned_and_stamped(conformance_policies, engine_name, checkpoint, tmp_path):
+    policy = conformance_policies(checkpoint)
     store = WeightStore(tmp_path / "weights")
     engine = ENGINES[engine_name](policy, store)
-    planner = _planner(policy, family_sampling(family, SAMPLING), store)
+    planner = _planner(policy, checkpoint_sampling(checkpoint, SAMPLING), store)
     try:
         base = _one(engine, _chunks(planner, ["a cat"], seed=4)[0])
         assert base.policy_version == 0 and base.weights_hash == BASE_HASH

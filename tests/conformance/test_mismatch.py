@@ -47,7 +47,7 @@ class InProcessSource:
 
 @pytest.fixture(scope="module")
 def policy(conformance_policies):
-    return conformance_policies("qwen_image")
+    return conformance_policies("tiny-qwen-image")
 
 
 @pytest.fixture(scope="module")

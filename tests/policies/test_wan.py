@@ -209,12 +209,6 @@ def test_sde_step_takes_5d_latents(policy):
     assert out.prev_sample.shape == x.shape and out.log_prob.shape == (2,) and out.std.shape == (2, 1, 1, 1, 1)
 
 
-def test_wan22_pipelines_are_refused(policy):
-    pipe = WanPipeline(**policy.pipeline.components, expand_timesteps=True)
-    with pytest.raises(ValueError, match="Wan2.2"):
-        WanPolicy(pipe, device=policy.device, dtype=policy.dtype)
-
-
 def test_the_config_loads_the_embedded_wan(flowgrpo_home):
     from serve_app.config import load_config
     from serve_app.policies import load_configured_policy
