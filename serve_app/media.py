@@ -46,6 +46,10 @@ def png_base64(images: torch.Tensor) -> list[str]:
     return encoded
 
 
+class ImageTooLargeError(ValueError):
+    """An input image over the size limits (bytes or pixels)."""
+
+
 def decode_image_base64(data: str, *, max_side: int, max_bytes: int) -> torch.Tensor:
     """A base64 PNG (or any image PIL reads) as uint8 [3, H, W] RGB (an alpha channel is dropped).
 
@@ -53,12 +57,13 @@ def decode_image_base64(data: str, *, max_side: int, max_bytes: int) -> torch.Te
     decode to a huge image is refused cheaply.
 
     Raises:
-        ValueError: not base64, more than `max_bytes` decoded bytes, not an image, or a side above `max_side`.
+        ImageTooLargeError: more than `max_bytes` decoded bytes, or a side above `max_side`.
+        ValueError: not base64, or not an image.
     """
     from PIL import Image, UnidentifiedImageError
 
-    if len(data) > 4 * (max_bytes // 3 + 1):
-        raise ValueError(f"more than {max_bytes} bytes once decoded ({len(data)} base64 characters)")
+    if len(data) > 4 * -(-max_bytes // 3):
+        raise ImageTooLargeError(f"is more than {max_bytes} bytes once decoded ({len(data)} base64 characters)")
     try:
         raw = base64.b64decode(data, validate=True)
     except ValueError:
@@ -68,8 +73,8 @@ def decode_image_base64(data: str, *, max_side: int, max_bytes: int) -> torch.Te
     except UnidentifiedImageError:
         raise ValueError("is not an image PIL can read (send a PNG)") from None
     width, height = image.size
-    if max(width, height) > max_side or min(width, height) < 1:
-        raise ValueError(f"is {height}x{width} px; each side must be from 1 to {max_side} px")
+    if max(width, height) > max_side:
+        raise ImageTooLargeError(f"is {height}x{width} px; each side must be at most {max_side} px")
     try:
         rgb = np.asarray(image.convert("RGB"))
     except (OSError, ValueError) as exc:  # a truncated or corrupt file fails only when decoded

@@ -21,8 +21,11 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    PlainValidator,
     StrictStr,
+    WithJsonSchema,
     create_model,
+    field_validator,
     model_validator,
 )
 
@@ -602,12 +605,36 @@ class GroupScores:
 # The HTTP / handle request
 
 
+def _input_image(value: Any) -> Any:
+    """An input image as sent: kept as it is, decoded and checked by the ingress (which names the field)."""
+    if isinstance(value, (str, torch.Tensor)):
+        return value
+    raise ValueError(f"an input image is a base64 PNG (HTTP) or a uint8 tensor [3, H, W] (handle); got "
+                     f"{type(value).__name__}")
+
+
+# Base64 PNG over HTTP, a uint8 tensor [3, H, W] by handle; the OpenAPI shows the HTTP form.
+InputImage = Annotated[
+    Any,
+    PlainValidator(_input_image),
+    WithJsonSchema({"type": "string", "contentEncoding": "base64", "contentMediaType": "image/png",
+                    "description": "A PNG, base64 (standard alphabet); by handle a uint8 tensor [3, H, W]."}),
+]
+
+
 class RolloutRequest(BaseModel):
     """A rollout request as the ingress receives it (HTTP JSON or handle)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompts: list[StrictStr] = Field(..., min_length=1, description="Prompts; each becomes one group.")
+    images: list[list[InputImage]] | None = Field(
+        None,
+        description="Input images of image-conditioned families (qwen_image_edit: exactly one per prompt), one list "
+        "per prompt in prompt order: base64 PNGs over HTTP, uint8 tensors [3, H, W] by handle (where a prompt's "
+        "single image may stand without its list). Every sample of a prompt's group is conditioned on them; "
+        "text-to-image families take none.",
+    )
     group_size: StrictInt = Field(..., ge=1, description="Samples per prompt.")
     sampling: SamplingOverrides = Field(
         default_factory=SamplingOverrides, description="Sampling settings to change; the app's config fills the rest."
@@ -617,6 +644,14 @@ class RolloutRequest(BaseModel):
     return_images: StrictBool = Field(
         False, description="HTTP only: include each sample's image (PNG, base64) or, for videos, its H.264 MP4 (base64)."
     )
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _lists_per_prompt(cls, images: Any) -> Any:
+        """A prompt's single image may come without its list (by handle: a tensor per prompt)."""
+        if isinstance(images, (list, tuple)):
+            return [list(row) if isinstance(row, (list, tuple)) else [row] for row in images]
+        return images
 
 
 class SampleOut(BaseModel):
