@@ -70,7 +70,9 @@ def decode_image_base64(data: str, *, max_side: int, max_bytes: int) -> torch.Te
         raise ValueError("is not base64 (standard alphabet, no line breaks)") from None
     try:
         image = Image.open(io.BytesIO(raw))
-    except UnidentifiedImageError:
+    except Image.DecompressionBombError as exc:  # PIL's own header check, above about 180 megapixels
+        raise ImageTooLargeError(f"is too large to decode ({exc})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError):  # PIL raises SyntaxError for a broken PNG header
         raise ValueError("is not an image PIL can read (send a PNG)") from None
     width, height = image.size
     if max(width, height) > max_side:
