@@ -20,7 +20,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from diffusers import QwenImageEditPipeline
