@@ -83,10 +83,12 @@ class RolloutClient:
         sampling: Sampling | None,
         policy_version: int | None,
         seed: int | None,
+        images: Sequence[Any] | None = None,
     ) -> RolloutRequest:
         """Full SamplingParams travel whole (the trainer replays exactly what it asked for); overrides and
         dicts carry only the fields they set, and the app's configured sampling fills the rest."""
-        fields: dict[str, Any] = {"prompts": list(prompts), "group_size": group_size, "policy_version": policy_version, "seed": seed}
+        fields: dict[str, Any] = {"prompts": list(prompts), "group_size": group_size, "policy_version": policy_version,
+                                  "seed": seed, "images": None if images is None else list(images)}
         if isinstance(sampling, SamplingParams):
             fields["sampling"] = sampling.model_dump()
         elif isinstance(sampling, SamplingOverrides):
@@ -103,13 +105,15 @@ class RolloutClient:
         policy_version: int | None = None,
         seed: int | None = None,
         *,
+        images: Sequence[Any] | None = None,
         timeout_s: float | None = None,
         fetch: bool = True,
     ) -> TrajectoryBatch:
         """The batch of one request. With `fetch` (the trainer's case) its transitions are fetched into
         this process before it returns, inside the retry: a batch whose tensors were lost with their node is
-        asked for again. Without, nothing heavy is fetched until used (an evaluation reads images only)."""
-        request = self._request(prompts, group_size, sampling, policy_version, seed)
+        asked for again. Without, nothing heavy is fetched until used (an evaluation reads images only).
+        `images`: an image-conditioned family's input images, per prompt a uint8 tensor [3, H, W] or a list."""
+        request = self._request(prompts, group_size, sampling, policy_version, seed, images)
 
         def attempt() -> TrajectoryBatch:
             batch = self.handle.rollout.remote(request).result(timeout_s=timeout_s)
@@ -125,9 +129,11 @@ class RolloutClient:
         policy_version: int | None = None,
         seed: int | None = None,
         fetch: bool = True,
+        *,
+        images: Sequence[Any] | None = None,
     ) -> TrajectoryBatch:
         """:meth:`rollout` for asyncio code."""
-        request = self._request(prompts, group_size, sampling, policy_version, seed)
+        request = self._request(prompts, group_size, sampling, policy_version, seed, images)
 
         async def attempt() -> TrajectoryBatch:
             batch = await self.handle.rollout.remote(request)

@@ -1,5 +1,6 @@
 """Generated images and videos as bytes: uint8 conversion, PNG and base64 for images, MP4 (H.264) for
-videos, and the MP4 decoder the tests and clients use to read them back.
+videos, and the MP4 decoder the tests and clients use to read them back; and a request's input images:
+base64 decoding with size limits, resizing.
 
 An image is a uint8 tensor ``[3, H, W]``; a video a uint8 tensor or array ``[F, 3, H, W]`` (RGB, frames first), as video replicas produce it.
 Encoding goes through PyAV (``pip install 'flowgrpo-serve[video]'``), whose wheels bundle FFmpeg with
@@ -43,6 +44,63 @@ def png_base64(images: torch.Tensor) -> list[str]:
         Image.fromarray(np.ascontiguousarray(arr)).save(buffer, format="PNG")
         encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     return encoded
+
+
+class ImageTooLargeError(ValueError):
+    """An input image over the size limits (bytes or pixels)."""
+
+
+def decode_image_base64(data: str, *, max_side: int, max_bytes: int) -> torch.Tensor:
+    """A base64 PNG (or any image PIL reads) as uint8 [3, H, W] RGB (an alpha channel is dropped).
+
+    The size is checked from the header before the pixels are decoded, so a small file that would
+    decode to a huge image is refused cheaply.
+
+    Raises:
+        ImageTooLargeError: more than `max_bytes` decoded bytes, or a side above `max_side`.
+        ValueError: not base64, or not an image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > 4 * -(-max_bytes // 3):
+        raise ImageTooLargeError(f"is more than {max_bytes} bytes once decoded ({len(data)} base64 characters)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise ValueError("is not base64 (standard alphabet, no line breaks)") from None
+    try:
+        image = Image.open(io.BytesIO(raw))
+    except Image.DecompressionBombError as exc:  # PIL's own header check, above about 180 megapixels
+        raise ImageTooLargeError(f"is too large to decode ({exc})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError):  # PIL raises SyntaxError for a broken PNG header
+        raise ValueError("is not an image PIL can read (send a PNG)") from None
+    width, height = image.size
+    if max(width, height) > max_side:
+        raise ImageTooLargeError(f"is {height}x{width} px; each side must be at most {max_side} px")
+    try:
+        rgb = np.asarray(image.convert("RGB"))
+    except (OSError, ValueError) as exc:  # a truncated or corrupt file fails only when decoded
+        raise ValueError(f"could not be decoded: {exc}") from None
+    return torch.from_numpy(rgb.transpose(2, 0, 1).copy())
+
+
+def resize_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [3, H, W] -> uint8 [3, height, width], Lanczos (diffusers' VaeImageProcessor.resize of a PIL
+    image, its default); the same image back, copied, when it already has that size."""
+    from PIL import Image
+
+    pil = to_pil(image)
+    resized = pil.resize((width, height), resample=Image.Resampling.LANCZOS)
+    return torch.from_numpy(np.asarray(resized).transpose(2, 0, 1).copy())
+
+
+def to_pil(image: torch.Tensor) -> Any:
+    """uint8 [3, H, W] -> an RGB PIL image."""
+    from PIL import Image
+
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"an image must be uint8 [3, H, W]; got {image.dtype} {tuple(image.shape)}")
+    return Image.fromarray(np.ascontiguousarray(image.detach().cpu().permute(1, 2, 0).numpy()))
 
 
 def mp4_base64(video: torch.Tensor) -> str:

@@ -21,8 +21,11 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    PlainValidator,
     StrictStr,
+    WithJsonSchema,
     create_model,
+    field_validator,
     model_validator,
 )
 
@@ -155,28 +158,57 @@ SamplingOverrides = create_model(
 
 @dataclass
 class PromptEmbeds:
-    """Text conditioning, once per distinct prompt.
+    """Conditioning, once per distinct prompt.
 
     embeds: [P, L, D] padded to the longest prompt in this set (not to a global maximum).
     mask:   [P, L] bool, True on real tokens.
     pooled: [P, D'] pooled projection for families that use one (SD3), else None.
+    image_latents: [P, T, C] the latents of each prompt's input images, joined along the tokens and
+        zero-padded to the longest row in this set (image-conditioned families), else None.
+    image_shapes: [P, N, 3] long, the (frames, rows, columns) of tokens each of a prompt's N input images
+        takes in image_latents (a row's real tokens: the sum of their products), with image_latents.
     """
 
     embeds: torch.Tensor
     mask: torch.Tensor
     pooled: torch.Tensor | None = None
+    image_latents: torch.Tensor | None = None
+    image_shapes: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.image_latents is None) != (self.image_shapes is None):
+            raise ValueError("image_latents and image_shapes come together")
 
     def __len__(self) -> int:
         return self.embeds.shape[0]
 
+    @property
+    def has_images(self) -> bool:
+        """Whether the conditioning includes input images (then a negative prompt is encoded with each
+        prompt's images: one negative row per prompt)."""
+        return self.image_latents is not None
+
+    def image_tokens(self) -> torch.Tensor:
+        """[P] long: the real tokens of each row's image latents (0 without images)."""
+        if self.image_shapes is None:
+            return torch.zeros(len(self), dtype=torch.long)
+        return self.image_shapes.prod(dim=-1).sum(dim=-1)
+
     def select(self, index: torch.Tensor) -> PromptEmbeds:
-        """Rows for each sample ([B] long index into P), trimmed to the longest selected prompt."""
+        """Rows for each sample ([B] long index into P), trimmed to the longest selected prompt (and image)."""
         mask = self.mask[index]
         length = max(int(mask.sum(dim=1).max()), 1)
+        image_latents = image_shapes = None
+        if self.image_latents is not None and self.image_shapes is not None:
+            image_shapes = self.image_shapes[index]
+            tokens = max(int(image_shapes.prod(dim=-1).sum(dim=-1).max()), 1)
+            image_latents = self.image_latents[index, :tokens]
         return PromptEmbeds(
             self.embeds[index, :length],
             mask[:, :length],
             None if self.pooled is None else self.pooled[index],
+            image_latents,
+            image_shapes,
         )
 
     @staticmethod
@@ -184,11 +216,29 @@ class PromptEmbeds:
         """Stack several prompt sets, padding to the longest one."""
         length = max(p.embeds.shape[1] for p in parts)
         pooled = [p.pooled for p in parts]
+        if len({p.has_images for p in parts}) > 1:
+            raise ValueError("cannot concatenate prompt embeddings with input images and without")
+        image_latents = image_shapes = None
+        if parts[0].has_images:
+            tokens = max(p.image_latents.shape[1] for p in parts)  # type: ignore[union-attr]
+            images = max(p.image_shapes.shape[1] for p in parts)  # type: ignore[union-attr]
+            image_latents = torch.cat([_pad_tokens(p.image_latents, tokens) for p in parts])  # type: ignore[arg-type]
+            image_shapes = torch.cat([_pad_tokens(p.image_shapes, images) for p in parts])  # type: ignore[arg-type]
         return PromptEmbeds(
             torch.cat([_pad_tokens(p.embeds, length) for p in parts]),
             torch.cat([_pad_tokens(p.mask, length) for p in parts]),
             None if any(x is None for x in pooled) else torch.cat(pooled),  # type: ignore[arg-type]
+            image_latents,
+            image_shapes,
         )
+
+    def to(self, device: torch.device | str) -> PromptEmbeds:
+        """Every tensor on `device`."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return PromptEmbeds(self.embeds.to(device), self.mask.to(device), move(self.pooled),
+                            move(self.image_latents), move(self.image_shapes))
 
 
 def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
@@ -202,10 +252,13 @@ def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
 
 @dataclass
 class PromptTokens:
-    """One prompt after the ingress: its text and, per tokenizer of the family, 1-D token ids."""
+    """One prompt after the ingress: its text, per tokenizer of the family 1-D token ids, and its input
+    images (uint8 [3, h, w] each, already resized to the size the family conditions on; none for a
+    text-to-image family)."""
 
     text: str
     token_ids: dict[str, torch.Tensor]
+    images: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -249,7 +302,9 @@ class Trajectory:
     prompt_embeds:    conditioning once per distinct prompt (P rows); `embed_row` [B] maps a sample to its row
                       (a function of prompt_index: samples of one prompt share their row).
     prompt_index:     [B] long, the sample's prompt (its group) in the request.
-    negative_embeds:  one row, shared by all samples, or None without CFG.
+    negative_embeds:  None without CFG; one row shared by all samples, or, when the conditioning has input
+                      images (``has_images``), one row per prompt row like prompt_embeds (the negative prompt
+                      with that prompt's images).
     sample_index:     [B] long, the sample's index within its group.
     policy_version:   the weights version that produced every sample here (no default: a forgotten
                       stamp must fail, not read as version 0).
@@ -294,6 +349,7 @@ class Trajectory:
         prompts, slot = torch.unique(prompt_index, return_inverse=True)
         # Any sample of a prompt holds that prompt's embedding row; take the first one's.
         first = torch.stack([index[prompt_index == p][0] for p in prompts]) if len(index) else index
+        negative = self.negative_embeds
         return replace(
             self,
             latents=self.latents[index].clone(),
@@ -301,6 +357,8 @@ class Trajectory:
             images=None if self.images is None else self.images[index].clone(),
             seeds=self.seeds[index].clone(),
             prompt_embeds=self.prompt_embeds.select(self.embed_row[first]),
+            negative_embeds=negative.select(self.embed_row[first]) if negative is not None and negative.has_images
+            else negative,
             embed_row=slot,
             prompt_index=prompt_index.clone(),
             sample_index=self.sample_index[index].clone(),
@@ -333,10 +391,20 @@ class Trajectory:
             images=None if first.images is None else torch.cat([p.images for p in parts]),
             seeds=torch.cat([p.seeds for p in parts]),
             prompt_embeds=PromptEmbeds.cat([p.prompt_embeds for p in parts]),
+            negative_embeds=_cat_negatives([p.negative_embeds for p in parts]),
             embed_row=torch.cat([p.embed_row + int(off) for p, off in zip(parts, offsets)]),
             prompt_index=torch.cat([p.prompt_index for p in parts]),
             sample_index=torch.cat([p.sample_index for p in parts]),
         )
+
+
+def _cat_negatives(parts: list[PromptEmbeds | None]) -> PromptEmbeds | None:
+    """The negative conditioning of concatenated trajectories: the shared row (the first part's: every
+    part's is the same negative prompt), or the per-prompt rows of image-conditioned parts, in order."""
+    first = parts[0]
+    if first is None or not first.has_images:
+        return first
+    return PromptEmbeds.cat([p for p in parts if p is not None])
 
 
 @dataclass
@@ -542,12 +610,36 @@ class GroupScores:
 # The HTTP / handle request
 
 
+def _input_image(value: Any) -> Any:
+    """An input image as sent: kept as it is, decoded and checked by the ingress (which names the field)."""
+    if isinstance(value, (str, torch.Tensor)):
+        return value
+    raise ValueError(f"an input image is a base64 PNG (HTTP) or a uint8 tensor [3, H, W] (handle); got "
+                     f"{type(value).__name__}")
+
+
+# Base64 PNG over HTTP, a uint8 tensor [3, H, W] by handle; the OpenAPI shows the HTTP form.
+InputImage = Annotated[
+    Any,
+    PlainValidator(_input_image),
+    WithJsonSchema({"type": "string", "contentEncoding": "base64", "contentMediaType": "image/png",
+                    "description": "A PNG, base64 (standard alphabet); by handle a uint8 tensor [3, H, W]."}),
+]
+
+
 class RolloutRequest(BaseModel):
     """A rollout request as the ingress receives it (HTTP JSON or handle)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompts: list[StrictStr] = Field(..., min_length=1, description="Prompts; each becomes one group.")
+    images: list[list[InputImage]] | None = Field(
+        None,
+        description="Input images of image-conditioned families (qwen_image_edit: exactly one per prompt), one list "
+        "per prompt in prompt order: base64 PNGs over HTTP, uint8 tensors [3, H, W] by handle (where a prompt's "
+        "single image may stand without its list). Every sample of a prompt's group is conditioned on them; "
+        "text-to-image families take none.",
+    )
     group_size: StrictInt = Field(..., ge=1, description="Samples per prompt.")
     sampling: SamplingOverrides = Field(
         default_factory=SamplingOverrides, description="Sampling settings to change; the app's config fills the rest."
@@ -557,6 +649,14 @@ class RolloutRequest(BaseModel):
     return_images: StrictBool = Field(
         False, description="HTTP only: include each sample's image (PNG, base64) or, for videos, its H.264 MP4 (base64)."
     )
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _lists_per_prompt(cls, images: Any) -> Any:
+        """A prompt's single image may come without its list (by handle: a tensor per prompt)."""
+        if isinstance(images, (list, tuple)):
+            return [list(row) if isinstance(row, (list, tuple)) else [row] for row in images]
+        return images
 
 
 class SampleOut(BaseModel):

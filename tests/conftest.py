@@ -30,14 +30,18 @@ def tiny_qwen_dir(flowgrpo_home):
 def ode_sample():
     """Our sampler at noise 0 from given initial latents: (images [B, 3, H, W] float, log_probs).
 
-    What every policy family must match against its stock diffusers pipeline.
+    What every policy family must match against its stock diffusers pipeline; `images` are an image-conditioned
+    family's input images as sent (resized here as the ingress does).
     """
+    from dataclasses import replace
+
     import torch
 
     from serve_app.flowgrpo.sampler import denoise, encode_conditioning
 
-    def run(policy, prompt, params, latents, generators):
-        tokens = policy.text_processor().tokenize([prompt])
+    def run(policy, prompt, params, latents, generators, *, images=()):
+        resized = [policy.geometry.resize_input_image(image) for image in images]
+        tokens = [replace(t, images=resized) for t in policy.text_processor().tokenize([prompt])]
         conditioning = encode_conditioning(policy, tokens, torch.zeros(1, dtype=torch.long), None, params)
         assert (conditioning.negative is not None) == (params.guidance_scale > 1)
         sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width)

@@ -33,12 +33,14 @@ class Section(BaseModel):
 
 # Families whose pipelines sample videos [B, F, 3, H, W]; the others sample images [B, 3, H, W].
 VIDEO_FAMILIES = ("wan",)
+# Families whose requests carry input images (a request's `images`, one list per prompt).
+IMAGE_CONDITIONED_FAMILIES = ("qwen_image_edit",)
 
 
 class ModelConfig(Section):
     """Which diffusion model the replicas load."""
 
-    family: Literal["qwen_image", "sd3", "flux", "wan"] = Field(
+    family: Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "wan"] = Field(
         "qwen_image", description="Model family (selects the policy adapter)."
     )
     path: str | None = Field(
@@ -61,6 +63,12 @@ class ModelConfig(Section):
         "guidance_scale), one value for the replicas and the trainer alike; ignored by models without a guidance "
         "embedding. True CFG is sampling.guidance_scale.",
     )
+    input_image_area: int | None = Field(
+        None, ge=1,
+        description="Image-conditioned families (qwen_image_edit): the pixels each input image is resized to, its "
+        "aspect ratio kept and each side rounded to a multiple of 32; None keeps the pipeline's own (1024 x 1024). "
+        "Text-to-image families take none.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")
     compile: bool = Field(
         False,
@@ -75,12 +83,23 @@ class ModelConfig(Section):
         "frames of a video; x2 with true CFG); above: HTTP 413. Size it to what the replicas do in a request's acceptable time.",
     )
 
+    @model_validator(mode="after")
+    def _check_input_image_area(self) -> ModelConfig:
+        if self.input_image_area is not None and self.family not in IMAGE_CONDITIONED_FAMILIES:
+            raise ValueError(f"input_image_area is for image-conditioned families "
+                             f"({', '.join(IMAGE_CONDITIONED_FAMILIES)}); {self.family!r} takes no input images")
+        return self
+
 
 class IngressConfig(Section):
     """The HTTP/handle entry point: request limits and how requests are cut into chunks."""
 
     max_prompts: int = Field(64, ge=1, description="Most prompts (groups) in one request.")
     max_prompt_chars: int = Field(2000, ge=1, description="Longest accepted prompt, in characters.")
+    max_input_image_side: int = Field(
+        4096, ge=1, description="Longest side of an input image (image-conditioned families), in pixels, as sent.")
+    max_input_image_bytes: int = Field(
+        16 * 2**20, ge=1, description="Largest encoded input image over HTTP (the PNG's bytes, before base64).")
     max_group_size: int = Field(64, ge=1, description="Most samples per prompt.")
     max_samples: int = Field(1024, ge=1, description="Most prompts * group_size in one request; above: HTTP 413.")
     chunk_size: int = Field(

@@ -8,7 +8,7 @@ on-policy ratio is exactly 1.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -53,11 +53,18 @@ class SamplingPolicy(Protocol):
 
 @dataclass(frozen=True)
 class Conditioning:
-    """Per-sample text conditioning: rows of `prompts` picked by `embed_row` [B]."""
+    """Per-sample conditioning: rows of `prompts` picked by `embed_row` [B]. The negative is one row
+    shared by every sample, or, with input images, one row per prompt row (picked by `embed_row` too)."""
 
     prompts: PromptEmbeds
     embed_row: torch.Tensor
     negative: PromptEmbeds | None
+
+    def negative_rows(self) -> PromptEmbeds | None:
+        """The negative for the samples: its one shared row, or each sample's own row [B]."""
+        if self.negative is None or not self.negative.has_images:
+            return self.negative
+        return self.negative.select(self.embed_row)
 
 
 def window_steps(params: SamplingParams, window_start: int | None) -> list[int]:
@@ -92,7 +99,7 @@ def transition(
         conditioning.prompts.select(conditioning.embed_row),
         # CFG on or off for the whole request (the stock pipelines' do_classifier_free_guidance), at the
         # scale of this step's expert.
-        negative=conditioning.negative if params.guidance_scale > 1.0 else None,
+        negative=conditioning.negative_rows() if params.guidance_scale > 1.0 else None,
         guidance_scale=policy.guidance_scale_at(sigma, params),
         height=params.height,
         width=params.width,
@@ -275,14 +282,22 @@ def encode_conditioning(
     negative: PromptTokens | None,
     params: SamplingParams,
 ) -> Conditioning:
-    """Encode each distinct prompt once (and the negative once when CFG is on); sample b uses row embed_row[b]."""
+    """Encode each distinct prompt once (and the negative once when CFG is on); sample b uses row embed_row[b].
+
+    Prompts with input images get the negative prompt encoded with each prompt's images, as the stock edit
+    pipelines do: one negative row per prompt.
+    """
     use_cfg = params.guidance_scale > 1.0
     if use_cfg and negative is None:
         negative = policy.text_processor().tokenize([params.negative_prompt])[0]
+    negatives: list[PromptTokens] = []
+    if use_cfg and negative is not None:
+        with_images = any(p.images for p in prompts)
+        negatives = ([replace(negative, images=p.images) for p in prompts] if with_images else [negative])
     return Conditioning(
         policy.encode_prompts(prompts),
         embed_row.to(torch.long),
-        policy.encode_prompts([negative]) if use_cfg and negative is not None else None,
+        policy.encode_prompts(negatives) if negatives else None,
     )
 
 
@@ -318,12 +333,8 @@ def replay_step(
 
 
 def _to_cpu(embeds: PromptEmbeds) -> PromptEmbeds:
-    return _to_device(embeds, torch.device("cpu"))
+    return embeds.to(torch.device("cpu"))
 
 
 def _to_device(embeds: PromptEmbeds, device: torch.device) -> PromptEmbeds:
-    return PromptEmbeds(
-        embeds.embeds.to(device),
-        embeds.mask.to(device),
-        None if embeds.pooled is None else embeds.pooled.to(device),
-    )
+    return embeds.to(device)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .tiny_clip import build_tiny_clip, ensure_tiny_clip
     from .tiny_flux import build_tiny_flux
     from .tiny_qwen_image import build_tiny_qwen_image
+    from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
     from .tiny_sd3 import build_tiny_sd3
     from .tiny_wan import build_tiny_wan
     from .tokenizer import build_qwen2_tokenizer
@@ -30,6 +31,7 @@ _LAZY = {
     "build_tiny_clip": ".tiny_clip",
     "build_tiny_flux": ".tiny_flux",
     "build_tiny_qwen_image": ".tiny_qwen_image",
+    "build_tiny_qwen_image_edit": ".tiny_qwen_image_edit",
     "build_tiny_sd3": ".tiny_sd3",
     "build_tiny_wan": ".tiny_wan",
     "ensure_tiny_clip": ".tiny_clip",
@@ -43,6 +45,7 @@ __all__ = [
     "build_tiny_clip",
     "build_tiny_flux",
     "build_tiny_qwen_image",
+    "build_tiny_qwen_image_edit",
     "build_tiny_sd3",
     "build_tiny_wan",
     "ensure_embedded_model",

@@ -32,7 +32,7 @@ __all__ = [
 # are not reused.
 BUILD_VERSION = "v1"
 
-ModelFamily = Literal["qwen_image", "sd3", "flux", "wan"]
+ModelFamily = Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "wan"]
 
 
 class Builder(Protocol):
@@ -60,6 +60,12 @@ def _small_qwen_image(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     from .tiny_qwen_image import build_tiny_qwen_image
 
     return build_tiny_qwen_image(out_dir, size="small", seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def _tiny_qwen_image_edit(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
+
+    return build_tiny_qwen_image_edit(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
 
 
 def _tiny_sd3(out_dir: Path, *, tokenizer_dir: Path) -> Path:
@@ -101,6 +107,7 @@ def _qwen2_tokenizer(out_dir: Path) -> Path:
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-qwen-image": EmbeddedModel("qwen_image", build=_tiny_qwen_image),
     "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
+    "tiny-qwen-image-edit": EmbeddedModel("qwen_image_edit", build=_tiny_qwen_image_edit),
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
     "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
     "tiny-wan": EmbeddedModel("wan", build=_tiny_wan),

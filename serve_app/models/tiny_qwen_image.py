@@ -176,8 +176,10 @@ def qwen25vl_text_encoder(
     bos_id: int,
     max_positions: int = 2048,
     rope_theta: float = 1_000_000.0,
+    vision_patch_size: int = 14,
 ) -> Qwen2_5_VLForConditionalGeneration:
-    """A small Qwen2.5-VL text model (QwenImagePipeline's text encoder class), with a minimal vision tower."""
+    """A small Qwen2.5-VL text model (QwenImagePipeline's text encoder class), with a minimal vision tower
+    over `vision_patch_size` px patches (the edit pipelines run it; 14 as released)."""
     head_dim = hidden_size // heads
     if 2 * sum(mrope_section) != head_dim:
         raise ValueError(f"mrope sections {mrope_section} do not cover head_dim {head_dim}")
@@ -195,7 +197,7 @@ def qwen25vl_text_encoder(
             "eos_token_id": eos_id,
             "pad_token_id": pad_id,
         },
-        # The vision tower is never run by QwenImagePipeline but the class requires one.
+        # QwenImagePipeline never runs the vision tower, but the class requires one; the edit pipelines run it.
         vision_config={
             "depth": 1,
             "hidden_size": 16,
@@ -203,6 +205,7 @@ def qwen25vl_text_encoder(
             "num_heads": 2,
             "out_hidden_size": hidden_size,
             "fullatt_block_indexes": [0],
+            "patch_size": vision_patch_size,
         },
         # Sharing the embedding table with lm_head halves the checkpoint.
         tie_word_embeddings=True,

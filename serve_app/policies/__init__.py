@@ -28,7 +28,7 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SUPPORTED_FAMILIES = ("qwen_image", "sd3", "flux", "wan")
+SUPPORTED_FAMILIES = ("qwen_image", "qwen_image_edit", "sd3", "flux", "wan")
 
 
 def policy_class(family: str) -> type[DiffusionPolicy]:
@@ -37,6 +37,10 @@ def policy_class(family: str) -> type[DiffusionPolicy]:
         from serve_app.policies.qwen_image import QwenImagePolicy
 
         return QwenImagePolicy
+    if family == "qwen_image_edit":
+        from serve_app.policies.qwen_image_edit import QwenImageEditPolicy
+
+        return QwenImageEditPolicy
     if family == "sd3":
         from serve_app.policies.sd3 import SD3Policy
 
@@ -122,4 +126,6 @@ def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
     )
     if model.family == "flux":
         policy.distilled_guidance = model.distilled_guidance  # type: ignore[attr-defined]
+    if model.input_image_area is not None:
+        policy.input_image_area = model.input_image_area
     return policy

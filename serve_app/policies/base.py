@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
+from serve_app.media import resize_image
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 
@@ -76,6 +78,9 @@ class ImageGeometry:
     temporal_factor: int | None = None  # video families: frames per latent frame after the first
     max_frames: int = 1
     temporal_patch: int = 1  # latent frames per transformer token
+    input_images: tuple[int, int] = (0, 0)  # (fewest, most) input images a prompt takes; (0, 0): text only
+    input_image_area: int = 0  # pixels an input image is resized to, its aspect ratio kept
+    input_image_multiple: int = 32  # ... each side rounded to a multiple of this (Qwen-Image-Edit's rounding)
     experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
 
     def check_guidance(self, guidance_scale_2: float | None) -> None:
@@ -122,6 +127,45 @@ class ImageGeometry:
                 "sampling.num_frames",
             )
 
+    def check_input_image_count(self, count: int, field: str) -> None:
+        """Raise InvalidRequestError naming `field` unless a prompt may take `count` input images."""
+        fewest, most = self.input_images
+        if fewest <= count <= most:
+            return
+        if most == 0:
+            raise InvalidRequestError(f"{self.family} takes no input images (it is a text-to-image family); got {count}",
+                                      field)
+        takes = str(fewest) if fewest == most else f"{fewest} to {most}"
+        raise InvalidRequestError(f"{self.family} takes {takes} input image(s) per prompt; got {count}", field)
+
+    def input_image_size(self, height: int, width: int, field: str = "images") -> tuple[int, int]:
+        """The (height, width) an input image of height x width is resized to before the model sees it: the
+        area `input_image_area` at the image's aspect ratio, each side rounded to `input_image_multiple`
+        (as QwenImageEditPipeline's calculate_dimensions does). Raises InvalidRequestError naming `field`
+        for an aspect ratio so extreme that a side rounds to 0 or beyond the position embedding."""
+        ratio = width / height
+        scaled_width = math.sqrt(self.input_image_area * ratio)
+        scaled_height = scaled_width / ratio
+        m = self.input_image_multiple
+        size = (round(scaled_height / m) * m, round(scaled_width / m) * m)  # round half to even, as the pipeline
+        if min(size) == 0 or max(size) > self.max_side or size[0] % self.spatial_multiple or size[1] % self.spatial_multiple:
+            raise InvalidRequestError(
+                f"an input image of {height}x{width} resizes to {size[0]}x{size[1]} at {self.family}'s input area of "
+                f"{self.input_image_area} px, which the model cannot take (sides from {self.spatial_multiple} to "
+                f"{self.max_side}); use a less extreme aspect ratio",
+                field,
+            )
+        return size
+
+    def resize_input_image(self, image: torch.Tensor, field: str = "images") -> torch.Tensor:
+        """uint8 [3, H, W] -> uint8 [3, h, w] at :meth:`input_image_size` (Lanczos, as the pipeline resizes)."""
+        height, width = self.input_image_size(int(image.shape[-2]), int(image.shape[-1]), field)
+        return resize_image(image, height, width)
+
+    def input_tokens(self, height: int, width: int) -> int:
+        """Latent tokens an input image already at its conditioning size adds to every forward."""
+        return (height // self.spatial_multiple) * (width // self.spatial_multiple)
+
     @property
     def min_frames(self) -> int:
         """The fewest frames a sample may have: one frame for an image family, one token's latent frames
@@ -147,6 +191,8 @@ class DiffusionPolicy(abc.ABC):
     pipeline_class: ClassVar[type]
     pipeline_class_names: ClassVar[tuple[str, ...]]  # model_index.json `_class_name`s this family loads
     cfg_renormalize: ClassVar[bool]
+    input_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) input images per prompt; text only: none
+    input_image_area: int = 0  # image-conditioned families: pixels an input image is resized to
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
         self.pipeline = pipeline
@@ -262,7 +308,9 @@ class DiffusionPolicy(abc.ABC):
     @property
     def geometry(self) -> ImageGeometry:
         return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple,
-                             self.temporal_factor, self.max_frames, self.temporal_patch, len(self.experts))
+                             self.temporal_factor, self.max_frames, self.temporal_patch,
+                             input_images=self.input_images, input_image_area=self.input_image_area,
+                             experts=len(self.experts))
 
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None:
         self.geometry.check(height, width, num_frames)
@@ -328,7 +376,9 @@ class DiffusionPolicy(abc.ABC):
         if negative is None:
             return self.predict(latents, sigma, cond, height=height, width=width).float()
         batch = latents.shape[0]
-        both = PromptEmbeds.cat([cond, negative.select(torch.zeros(batch, dtype=torch.long))])
+        # A negative with input images comes one row per sample (Conditioning.negative_rows); a text one is shared.
+        rows = negative if negative.has_images else negative.select(torch.zeros(batch, dtype=torch.long))
+        both = PromptEmbeds.cat([cond, rows])
         out = self.predict(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, height=height, width=width)
         return combine_cfg(out[:batch], out[batch:], guidance_scale, renormalize=self.cfg_renormalize)
 

@@ -108,7 +108,13 @@ class DiffusersEngine:
         policy = self.policy
         side = policy.spatial_multiple
         if self._probe_conditioning is None:
-            self._probe_conditioning = policy.encode_prompts(policy.text_processor().tokenize([" "]))
+            (tokens,) = policy.text_processor().tokenize([" "])
+            # An image-conditioned family needs its fewest input images: gray ones, at a square image's size.
+            fewest = policy.geometry.input_images[0]
+            if fewest:
+                gray = policy.geometry.resize_input_image(torch.full((3, side, side), 128, dtype=torch.uint8))
+                tokens = replace(tokens, images=[gray] * fewest)
+            self._probe_conditioning = policy.encode_prompts([tokens])
         # The fewest frames the model takes: a transformer with two-frame tokens refuses one latent frame.
         shape = policy.latent_shape(side, side, policy.geometry.min_frames)
         latents = torch.zeros((1, *shape), device=policy.device, dtype=policy.dtype)

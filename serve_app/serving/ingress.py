@@ -1,5 +1,5 @@
-"""The ingress's logic: validate a rollout request, merge its sampling with the app's, pin its policy
-version, tokenize it, give every sample its seed, and cut the work into chunks for the replicas
+"""The ingress's logic: validate a rollout request, merge its sampling with the app's, decode and resize its
+input images, pin its policy version, tokenize it, give every sample its seed, and cut the work into chunks for the replicas
 (:class:`RolloutPlanner`); and the JSON answer of the HTTP API (:func:`to_response`).
 
 Everything a request can get wrong is decided here, before any replica sees it.
@@ -8,7 +8,7 @@ Everything a request can get wrong is decided here, before any replica sees it.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from pydantic import ValidationError
@@ -17,7 +17,7 @@ from serve_app.config import IngressConfig
 from serve_app.errors import InvalidRequestError, RequestTooLargeError
 from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout, group_seeds_for
 from serve_app.policies.base import ImageGeometry, TextProcessor
-from serve_app.media import mp4_base64, png_base64
+from serve_app.media import ImageTooLargeError, decode_image_base64, mp4_base64, png_base64
 from serve_app.rewards import TOTAL_KEY
 from serve_app.schemas import (
     RolloutChunk,
@@ -107,11 +107,49 @@ class RolloutPlanner:
                 f"prompts x group_size = {total} samples exceeds the limit of {limits.max_samples}", "group_size"
             )
 
-    def check_work(self, request: RolloutRequest, sampling: SamplingParams) -> None:
+    def input_images(self, request: RolloutRequest) -> list[list[torch.Tensor]]:
+        """Each prompt's input images, decoded, checked and resized to the size the family conditions on
+        (uint8 [3, h, w]); empty lists for a text-to-image family. Raises InvalidRequestError (422) or
+        RequestTooLargeError (413) naming the image, e.g. ``images[0][0]``."""
+        geometry = self.geometry
+        if request.images is None:
+            if geometry.input_images[0] > 0:
+                geometry.check_input_image_count(0, "images")
+            return [[] for _ in request.prompts]
+        if len(request.images) != len(request.prompts):
+            raise InvalidRequestError(f"needs one list of input images per prompt: {len(request.prompts)} prompts, "
+                                      f"{len(request.images)} lists", "images")
+        decoded = []
+        for i, row in enumerate(request.images):
+            geometry.check_input_image_count(len(row), f"images[{i}]")
+            decoded.append([geometry.resize_input_image(self._input_image(image, f"images[{i}][{j}]"), f"images[{i}][{j}]")
+                            for j, image in enumerate(row)])
+        return decoded
+
+    def _input_image(self, image: str | torch.Tensor, field: str) -> torch.Tensor:
+        """One input image as sent -> uint8 [3, H, W], within the configured limits."""
+        max_side = self.limits.max_input_image_side
+        if isinstance(image, str):
+            try:
+                return decode_image_base64(image, max_side=max_side, max_bytes=self.limits.max_input_image_bytes)
+            except ImageTooLargeError as exc:
+                raise RequestTooLargeError(f"{exc} (ingress.max_input_image_side / max_input_image_bytes)", field) from None
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), field) from None
+        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3 or min(image.shape[1:]) < 1:
+            raise InvalidRequestError(f"must be a uint8 tensor [3, H, W]; got {image.dtype} {list(image.shape)}", field)
+        if max(image.shape[1:]) > max_side:
+            raise RequestTooLargeError(f"is {image.shape[1]}x{image.shape[2]} px; each side must be at most {max_side} "
+                                       "px (ingress.max_input_image_side)", field)
+        return image.cpu()
+
+    def check_work(self, request: RolloutRequest, sampling: SamplingParams,
+                   images: list[list[torch.Tensor]] | None = None) -> None:
         """The model takes the size (and frame count), and the request's work fits the budget (413 otherwise).
 
         Work counts every latent token a step runs on, so a video costs its latent frames x its pixels'
-        tokens: a video request cannot pass for an image-sized one.
+        tokens: a video request cannot pass for an image-sized one; and an input image's latent tokens,
+        which every step of every sample of its prompt runs on too.
         """
         self.geometry.check(sampling.height, sampling.width, sampling.num_frames)
         self.geometry.check_guidance(sampling.guidance_scale_2)
@@ -125,12 +163,15 @@ class RolloutPlanner:
         samples = len(request.prompts) * request.group_size
         passes = 2 if sampling.guidance_scale > 1.0 else 1
         tokens = self.geometry.tokens(sampling.height, sampling.width, sampling.num_frames)
-        work = samples * sampling.num_steps * tokens * passes
+        input_tokens = sum(self.geometry.input_tokens(*image.shape[1:]) for row in images or [] for image in row)
+        work = (samples * tokens + request.group_size * input_tokens) * sampling.num_steps * passes
         if work > self.max_work:
             frames = (f" ({latent_frames} latent frames of {sampling.num_frames})"
                       if self.geometry.temporal_factor is not None else "")
+            inputs = (f" (+ {input_tokens} input image tokens x {request.group_size} samples a prompt)"
+                      if input_tokens else "")
             raise RequestTooLargeError(
-                f"{samples} samples x {sampling.num_steps} steps x {tokens} latent tokens{frames}"
+                f"{samples} samples x {sampling.num_steps} steps x {tokens} latent tokens{frames}{inputs}"
                 f"{' x 2 (true CFG)' if passes == 2 else ''} = {work} exceeds the model's budget of "
                 f"{self.max_work} (model.max_request_work); ask for fewer samples, steps, frames or pixels",
                 "sampling",
@@ -146,14 +187,17 @@ class RolloutPlanner:
         # 1. Check the request, merge its sampling, check its size and work, pin its version.
         self.validate(request)
         sampling = self.sampling_for(request)
-        self.check_work(request, sampling)
+        images = self.input_images(request)
+        self.check_work(request, sampling, images)
         policy_version = self.policy_version_for(request)
         request_seed = request.seed if request.seed is not None else sampling.seed
         if request_seed is None:
             request_seed = fresh_request_seed()
         sampling = sampling.model_copy(update={"seed": request_seed})
-        # 2. Tokenize each prompt once (and the negative prompt when CFG is on).
-        prompt_tokens = self.text_processor.tokenize(request.prompts)
+        # 2. Tokenize each prompt once (and the negative prompt when CFG is on); a prompt's input images go
+        # with its tokens, so each chunk carries them once per prompt it samples.
+        prompt_tokens = [replace(tokens, images=row)
+                         for tokens, row in zip(self.text_processor.tokenize(request.prompts), images)]
         negative = (
             self.text_processor.tokenize([sampling.negative_prompt])[0] if sampling.guidance_scale > 1.0 else None
         )

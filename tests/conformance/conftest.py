@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from serve_app.serving.engine import DiffusersEngine
 from serve_app.policies.base import DiffusionPolicy
@@ -25,6 +26,7 @@ FLAGGED_ENGINES: dict[str, Callable] = {"fake_bf16": fake_bf16_engine}
 # the suite's window (steps 0-1) lies across it and its noise-0 run uses both experts.
 CHECKPOINTS = {
     "tiny-qwen-image": "qwen_image",
+    "tiny-qwen-image-edit": "qwen_image_edit",
     "tiny-sd3": "sd3",
     "tiny-flux": "flux",
     "tiny-wan": "wan",
@@ -36,9 +38,36 @@ CHECKPOINTS = {
 FAMILY_SAMPLING = {"wan": {"num_frames": 5}}
 
 
+# Settings of a family's policy that its embedded checkpoint's config states (configs/model/*.yaml).
+FAMILY_POLICY = {"qwen_image_edit": {"input_image_area": 32 * 32}}
+
+
+def _input_image(index: int) -> torch.Tensor:
+    """A uint8 [3, 24, 40] input image (not square, so the resize to the input area matters), one per prompt."""
+    return torch.randint(0, 256, (3, 24, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(100 + index))
+
+
+# What a family's request carries beside its prompts: image-conditioned families get one input image a prompt.
+FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
+    "qwen_image_edit": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
+}
+
+
 def checkpoint_sampling(checkpoint: str, params: SamplingParams) -> SamplingParams:
     """`params` with what the checkpoint's family needs on top (FAMILY_SAMPLING)."""
     return params.model_copy(update=FAMILY_SAMPLING.get(CHECKPOINTS[checkpoint], {}))
+
+
+def family_request(family: str, prompts: int) -> dict:
+    """The RolloutRequest fields `family` needs for `prompts` prompts beside them (FAMILY_REQUEST)."""
+    return FAMILY_REQUEST[family](prompts) if family in FAMILY_REQUEST else {}
+
+
+def checkpoint_inputs(checkpoint: str) -> dict:
+    """The keyword arguments of the stock call and of `ode_sample` for the request's first prompt: its input
+    images as sent (the stock pipeline resizes them itself)."""
+    images = family_request(CHECKPOINTS[checkpoint], 1).get("images")
+    return {"images": images[0]} if images else {}
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +80,10 @@ def conformance_policies(flowgrpo_home):
 
     def get(checkpoint: str) -> DiffusionPolicy:
         if checkpoint not in loaded:
-            loaded[checkpoint] = load_policy(ensure_embedded_model(checkpoint), family=CHECKPOINTS[checkpoint])
+            family = CHECKPOINTS[checkpoint]
+            loaded[checkpoint] = load_policy(ensure_embedded_model(checkpoint), family=family)
+            for name, value in FAMILY_POLICY.get(family, {}).items():
+                setattr(loaded[checkpoint], name, value)
         return loaded[checkpoint]
 
     return get

@@ -20,7 +20,14 @@ from serve_app.media import to_uint8
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.weights import BASE_HASH, WeightStore
 
-from tests.conformance.conftest import CHECKPOINTS, ENGINES, FLAGGED_ENGINES, checkpoint_sampling
+from tests.conformance.conftest import (
+    CHECKPOINTS,
+    ENGINES,
+    FLAGGED_ENGINES,
+    checkpoint_inputs,
+    checkpoint_sampling,
+    family_request,
+)
 
 # True CFG on, a 2-step SDE window that always starts at step 0 (so chunks of different requests fuse).
 SAMPLING = SamplingParams(height=32, width=32, num_steps=3, guidance_scale=4.0, noise_level=1.0,
@@ -37,7 +44,9 @@ def _planner(engine_policy, sampling: SamplingParams, store=None) -> RolloutPlan
 
 
 def _chunks(planner: RolloutPlanner, prompts: list[str], seed: int, version: int | None = 0):
-    return planner.plan(RolloutRequest(prompts=prompts, group_size=2, seed=seed, policy_version=version)).chunks
+    request = RolloutRequest(prompts=prompts, group_size=2, seed=seed, policy_version=version,
+                             **family_request(planner.geometry.family, len(prompts)))
+    return planner.plan(request).chunks
 
 
 def _one(engine, chunk):
@@ -88,9 +97,10 @@ def noise_zero_case(conformance_policies):
             params = checkpoint_sampling(checkpoint, SAMPLING).model_copy(
                 update={"noise_level": 0.0, "guidance_scale": guidance_scale, "sde_window_size": None})
             planner = _planner(policy, params)
-            (chunk,) = planner.plan(RolloutRequest(prompts=[PROMPT], group_size=1, seed=11, policy_version=0)).chunks
+            (chunk,) = planner.plan(RolloutRequest(prompts=[PROMPT], group_size=1, seed=11, policy_version=0,
+                                                   **family_request(CHECKPOINTS[checkpoint], 1))).chunks
             latents = initial_latents(policy, params, sample_generators(chunk.seeds))
-            stock = policy.stock_call(PROMPT, params, latents)
+            stock = policy.stock_call(PROMPT, params, latents, **checkpoint_inputs(checkpoint))
             frames = () if params.num_frames == 1 else (params.num_frames,)
             assert stock.shape == (1, *frames, 3, 32, 32) and float(stock.std()) > 1e-3  # not a blank image
             cases[checkpoint, guidance_scale] = (params, chunk, latents, stock)
@@ -121,7 +131,8 @@ def test_the_family_sampler_at_noise_zero_is_the_stock_pipeline_in_float(conform
     """What the diffusers engine runs, before the uint8 cast: equal to the stock `__call__` to 1e-5."""
     policy = conformance_policies(checkpoint)
     params, chunk, latents, stock = noise_zero_case(checkpoint, guidance_scale)
-    image, log_probs = ode_sample(policy, PROMPT, params, latents, sample_generators(chunk.seeds))
+    image, log_probs = ode_sample(policy, PROMPT, params, latents, sample_generators(chunk.seeds),
+                                  **checkpoint_inputs(checkpoint))
     torch.testing.assert_close(image, stock, atol=1e-5, rtol=0)
     assert torch.equal(log_probs, torch.zeros(1, params.num_steps - 1))
 

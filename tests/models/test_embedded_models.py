@@ -185,7 +185,7 @@ def test_seed_changes_weights(model_dir, tokenizer_dir: Path, tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("name", "max_dir_mb"),
-    [("tiny-qwen-image", 20), ("small-qwen-image", 80), ("tiny-sd3", 40), ("tiny-wan", 20)],
+    [("tiny-qwen-image", 20), ("tiny-qwen-image-edit", 25), ("small-qwen-image", 80), ("tiny-sd3", 40), ("tiny-wan", 20)],
 )
 def test_model_dir_layout(name: str, max_dir_mb: int, model_dir) -> None:  # type: ignore[no-untyped-def]
     path = model_dir(name)

@@ -1,0 +1,213 @@
+"""Qwen-Image-Edit: Qwen-Image conditioned on an input image, twice - through the Qwen2.5-VL text encoder
+(the prompt with the image's vision tokens) and as the image's VAE latents, joined to the noisy latents
+along the sequence.
+
+What the stock ``QwenImageEditPipeline`` does, and so what this adapter does:
+
+- The input image is resized to about ``input_image_area`` pixels at its aspect ratio (1024 x 1024 in the
+  pipeline; the ingress does it, :meth:`ImageGeometry.resize_input_image`).
+- The prompt goes into a chat template holding ``<|vision_start|><|image_pad|><|vision_end|>``; the
+  processor expands the pad into one token per merged vision patch, and the encoder's hidden states of
+  the first 64 tokens (the system prompt and the user header) are dropped.
+- The transformer sees [noisy latents ; image latents] with ``img_shapes`` of two entries per sample and
+  its output is cut back to the noisy latents' tokens. True CFG encodes the negative prompt with the
+  same image and combines with Qwen-Image's norm rescaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from diffusers import QwenImageEditPipeline
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from transformers import AutoTokenizer
+
+from serve_app.media import to_pil
+from serve_app.policies.base import TextProcessor
+from serve_app.policies.qwen_image import QwenImagePolicy
+from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+
+# QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
+EDIT_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+EDIT_TEMPLATE_PREFIX_TOKENS = 64
+IMAGE_PAD = "<|image_pad|>"
+# The area QwenImageEditPipeline.__call__ resizes an input image to (calculate_dimensions(1024 * 1024, ...)).
+STOCK_INPUT_IMAGE_AREA = 1024 * 1024
+_PROCESSOR = "serve_app.models.vl_processor:Qwen2VLImageOnlyProcessor"
+_STOCK_AREA_LOCK = threading.Lock()
+
+
+class QwenImageEditTextProcessor(TextProcessor):
+    """Template + token ids with one ``<|image_pad|>`` per input image; the replica expands each into the
+    image's vision tokens once it has the image's patch grid (:meth:`QwenImageEditPolicy.encode_prompts`)."""
+
+    def format(self, prompt: str) -> str:
+        return EDIT_PROMPT_TEMPLATE.format(prompt)
+
+    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
+        # The stock pipeline truncates nothing here; the ingress bounds a prompt's characters.
+        encoded = self._tokenizer("tokenizer")([self.format(p) for p in prompts], padding=False)
+        return [PromptTokens(text=p, token_ids={"tokenizer": torch.tensor(ids, dtype=torch.long)})
+                for p, ids in zip(prompts, encoded["input_ids"])]
+
+
+class QwenImageEditPolicy(QwenImagePolicy):
+    family = "qwen_image_edit"
+    pipeline_class = QwenImageEditPipeline
+    pipeline_class_names = ("QwenImageEditPipeline",)
+    input_images: ClassVar[tuple[int, int]] = (1, 1)
+    input_image_area: int = STOCK_INPUT_IMAGE_AREA
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, components: Mapping[str, str] | None = None) -> QwenImageEditPolicy:
+        """The checkout's ``processor`` folder loads as a Qwen2-VL processor without its video half (which
+        needs torchvision), unless ``components`` names another class for it."""
+        return super().from_pretrained(local_dir, device=device, dtype=dtype,  # type: ignore[return-value]
+                                       components={"processor": _PROCESSOR, **(components or {})})
+
+    def _make_text_processor(self) -> QwenImageEditTextProcessor:
+        return QwenImageEditTextProcessor({"tokenizer": self.pipeline.tokenizer})
+
+    @classmethod
+    def load_text_processor(cls, local_dir: str | Path) -> QwenImageEditTextProcessor:
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(local_dir) / "tokenizer"), local_files_only=True)
+        return QwenImageEditTextProcessor({"tokenizer": tokenizer})
+
+    # -- conditioning --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        """Each prompt with its input image (uint8 [3, h, w], already at its conditioning size): the VL
+        encoder's hidden states after the template prefix, and the image's packed VAE latents."""
+        # 1. Check inputs
+        for i, p in enumerate(prompts):
+            self.geometry.check_input_image_count(len(p.images), f"prompts[{i}].images")
+        # 2. Vision inputs of every image, and each prompt's ids with its image pads expanded
+        images = [to_pil(image) for p in prompts for image in p.images]
+        processor = self.pipeline.processor
+        vision = processor.image_processor(images=images, return_tensors="pt")
+        vision_tokens = (vision["image_grid_thw"].prod(dim=-1) // processor.image_processor.merge_size**2).tolist()
+        ids = _expand_image_pads(prompts, processor.image_token_id, vision_tokens)
+        lengths = torch.tensor([len(x) for x in ids])
+        if int(lengths.min()) <= EDIT_TEMPLATE_PREFIX_TOKENS:
+            raise ValueError("token ids must include the Qwen-Image-Edit prompt template (use the family's TextProcessor)")
+        pad_id = self.pipeline.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(ids), int(lengths.max())), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, x in enumerate(ids):  # right padding: causal attention keeps real tokens exact
+            input_ids[row, : len(x)] = x
+            attention_mask[row, : len(x)] = 1
+        # 3. The VL encoder's last (normed) hidden states, without the template prefix
+        hidden = self.pipeline.text_encoder.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            pixel_values=vision["pixel_values"].to(self.device), image_grid_thw=vision["image_grid_thw"].to(self.device),
+        ).last_hidden_state
+        kept = lengths - EDIT_TEMPLATE_PREFIX_TOKENS
+        embeds = hidden.new_zeros(len(ids), int(kept.max()), hidden.shape[-1])
+        mask = torch.zeros(len(ids), int(kept.max()), dtype=torch.bool, device=self.device)
+        for row, n in enumerate(kept.tolist()):
+            embeds[row, :n] = hidden[row, EDIT_TEMPLATE_PREFIX_TOKENS : EDIT_TEMPLATE_PREFIX_TOKENS + n]
+            mask[row, :n] = True
+        # 4. Each prompt's image latents (one VAE call per image: the images' sizes differ)
+        latents = [torch.cat([self.encode_images(image[None].float() / 255.0)[0] for image in p.images]) for p in prompts]
+        shapes = torch.tensor([[(1, image.shape[-2] // self.spatial_multiple, image.shape[-1] // self.spatial_multiple)
+                                for image in p.images] for p in prompts], dtype=torch.long)
+        image_latents = hidden.new_zeros(len(prompts), max(len(x) for x in latents), latents[0].shape[-1])
+        for row, x in enumerate(latents):
+            image_latents[row, : len(x)] = x
+        return PromptEmbeds(embeds.to(self.dtype), mask, image_latents=image_latents.to(self.dtype),
+                            image_shapes=shapes.to(self.device))
+
+    def embed_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
+        raise NotImplementedError("qwen_image_edit does not train its text encoder")
+
+    def predict(
+        self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
+    ) -> torch.Tensor:
+        """The transformer over [latents ; each sample's image latents], its output cut to the latents' tokens.
+        Samples whose input images differ in size run in separate forwards (one per size)."""
+        if cond.image_latents is None or cond.image_shapes is None:
+            raise ValueError(f"{self.family} conditions on input images; the prompt embeddings carry none")
+        grid = (1, height // self.spatial_multiple, width // self.spatial_multiple)
+        groups: dict[tuple, list[int]] = {}
+        for row, shapes in enumerate(cond.image_shapes.tolist()):
+            groups.setdefault(tuple(tuple(s) for s in shapes if s[0] > 0), []).append(row)
+        outputs, order = [], []
+        for shapes, rows in groups.items():
+            index = torch.tensor(rows, device=latents.device)
+            whole = len(groups) == 1
+            tokens = sum(f * h * w for f, h, w in shapes)
+            text, text_mask = (cond.embeds, cond.mask) if whole else (cond.embeds[index], cond.mask[index])
+            noisy = latents if whole else latents[index]
+            out = self.pipeline.transformer(
+                hidden_states=torch.cat([noisy, (cond.image_latents if whole else cond.image_latents[index])[:, :tokens]
+                                         .to(noisy.dtype)], dim=1).to(self.dtype),
+                timestep=(sigma if whole else sigma[index]).to(device=latents.device, dtype=self.dtype),
+                encoder_hidden_states=text.to(self.dtype),
+                encoder_hidden_states_mask=None if bool(text_mask.all()) else text_mask,
+                img_shapes=[[grid, *shapes]] * len(rows),
+                return_dict=False,
+            )[0]
+            outputs.append(out[:, : latents.shape[1]])
+            order.extend(rows)
+        if len(groups) == 1:
+            return outputs[0]
+        return torch.cat(outputs)[torch.argsort(torch.tensor(order, device=latents.device))]
+
+    def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor, *,
+                   images: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """The stock ``QwenImageEditPipeline.__call__`` on `images` (one uint8 [3, H, W], as sent, before any
+        resize: the pipeline resizes it). At an ``input_image_area`` other than the pipeline's 1024 x 1024,
+        that one constant is replaced for the call (the tiny checkpoint conditions on 32 x 32 px)."""
+        if len(images) != 1:
+            raise ValueError(f"{self.family} takes exactly one input image; got {len(images)}")
+        cfg = params.guidance_scale > 1
+        with self._stock_input_area():
+            return self.pipeline(
+                image=to_pil(images[0]), prompt=prompt, negative_prompt=params.negative_prompt if cfg else None,
+                true_cfg_scale=params.guidance_scale, height=params.height, width=params.width,
+                num_inference_steps=params.num_steps, latents=latents.clone(), num_images_per_prompt=len(latents),
+                output_type="pt",
+            ).images
+
+    @contextlib.contextmanager
+    def _stock_input_area(self) -> Iterator[None]:
+        if self.input_image_area == STOCK_INPUT_IMAGE_AREA:
+            yield
+            return
+        stock = pipeline_qwenimage_edit.calculate_dimensions
+        with _STOCK_AREA_LOCK:
+            pipeline_qwenimage_edit.calculate_dimensions = lambda _area, ratio: stock(self.input_image_area, ratio)
+            try:
+                yield
+            finally:
+                pipeline_qwenimage_edit.calculate_dimensions = stock
+
+
+def _expand_image_pads(prompts: Sequence[PromptTokens], pad_id: int, vision_tokens: list[int]) -> list[torch.Tensor]:
+    """Each prompt's token ids with its k-th ``<|image_pad|>`` repeated as many times as its k-th image has
+    vision tokens (images counted across the prompts in order), as the processor expands them."""
+    expanded, image = [], 0
+    for i, p in enumerate(prompts):
+        ids = p.token_ids["tokenizer"].to(torch.long)
+        at = (ids == pad_id).nonzero().flatten().tolist()
+        if len(at) != len(p.images):
+            raise ValueError(f"prompts[{i}] has {len(at)} {IMAGE_PAD} tokens for {len(p.images)} input images")
+        pieces, start = [], 0
+        for position in at:
+            pieces += [ids[start:position], ids.new_full((vision_tokens[image],), pad_id)]
+            start, image = position + 1, image + 1
+        expanded.append(torch.cat([*pieces, ids[start:]]))
+    return expanded
