@@ -44,6 +44,30 @@ class QwenImageTextProcessor(TextProcessor):
         ]
 
 
+def right_padded(ids: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, longest] padded on the right, and their attention mask (right padding: causal
+    attention keeps the real tokens' states exact)."""
+    longest = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, x in enumerate(ids):
+        input_ids[row, : len(x)] = torch.as_tensor(x)
+        attention_mask[row, : len(x)] = 1
+    return input_ids, attention_mask
+
+
+def without_prefix(hidden: torch.Tensor, lengths: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states [B, T, D] of each row's tokens after the template's first `prefix`, left-aligned
+    and zero-padded to the longest, with their bool mask: what the transformer attends to."""
+    kept = (lengths - prefix).tolist()
+    embeds = hidden.new_zeros(len(kept), max(kept), hidden.shape[-1])
+    mask = torch.zeros(len(kept), max(kept), dtype=torch.bool, device=hidden.device)
+    for row, n in enumerate(kept):
+        embeds[row, :n] = hidden[row, prefix : prefix + n]
+        mask[row, :n] = True
+    return embeds, mask
+
+
 class QwenImagePolicy(PackedLatentPolicy):
     family = "qwen_image"
     pipeline_class = QwenImagePipeline
@@ -89,25 +113,14 @@ class QwenImagePolicy(PackedLatentPolicy):
         lengths = torch.tensor([len(x) for x in ids])
         if int(lengths.min()) <= TEMPLATE_PREFIX_TOKENS:
             raise ValueError("token ids must include the Qwen-Image prompt template (use the family's TextProcessor)")
-        pad_id = self.pipeline.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(ids), int(lengths.max())), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, x in enumerate(ids):  # right padding: causal attention keeps real tokens exact
-            input_ids[row, : len(x)] = x
-            attention_mask[row, : len(x)] = 1
+        input_ids, attention_mask = right_padded(ids, self.pipeline.tokenizer.pad_token_id or 0)
         # The base model alone: its last (normed) hidden state is the pipeline's hidden_states[-1], without
         # the 152k-wide LM head the stock call computes and throws away.
         hidden = self.pipeline.text_encoder.model(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
         ).last_hidden_state
-        kept = lengths - TEMPLATE_PREFIX_TOKENS
-        width = int(kept.max())
-        embeds = hidden.new_zeros(len(ids), width, hidden.shape[-1])
-        mask = torch.zeros(len(ids), width, dtype=torch.bool, device=self.device)
-        for row, n in enumerate(kept.tolist()):
-            embeds[row, :n] = hidden[row, TEMPLATE_PREFIX_TOKENS : TEMPLATE_PREFIX_TOKENS + n]
-            mask[row, :n] = True
+        embeds, mask = without_prefix(hidden, lengths, TEMPLATE_PREFIX_TOKENS)
         return PromptEmbeds(embeds.to(self.dtype), mask)
 
     def predict(

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from serve_app.media import to_pil
 from serve_app.policies.base import TextProcessor
-from serve_app.policies.qwen_image import QwenImagePolicy
+from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 # QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
@@ -103,23 +103,13 @@ class QwenImageEditPolicy(QwenImagePolicy):
         lengths = torch.tensor([len(x) for x in ids])
         if int(lengths.min()) <= EDIT_TEMPLATE_PREFIX_TOKENS:
             raise ValueError("token ids must include the Qwen-Image-Edit prompt template (use the family's TextProcessor)")
-        pad_id = self.pipeline.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(ids), int(lengths.max())), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, x in enumerate(ids):  # right padding: causal attention keeps real tokens exact
-            input_ids[row, : len(x)] = x
-            attention_mask[row, : len(x)] = 1
+        input_ids, attention_mask = right_padded(ids, self.pipeline.tokenizer.pad_token_id or 0)
         # 3. The VL encoder's last (normed) hidden states, without the template prefix
         hidden = self.pipeline.text_encoder.model(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
             pixel_values=vision["pixel_values"].to(self.device), image_grid_thw=vision["image_grid_thw"].to(self.device),
         ).last_hidden_state
-        kept = lengths - EDIT_TEMPLATE_PREFIX_TOKENS
-        embeds = hidden.new_zeros(len(ids), int(kept.max()), hidden.shape[-1])
-        mask = torch.zeros(len(ids), int(kept.max()), dtype=torch.bool, device=self.device)
-        for row, n in enumerate(kept.tolist()):
-            embeds[row, :n] = hidden[row, EDIT_TEMPLATE_PREFIX_TOKENS : EDIT_TEMPLATE_PREFIX_TOKENS + n]
-            mask[row, :n] = True
+        embeds, mask = without_prefix(hidden, lengths, EDIT_TEMPLATE_PREFIX_TOKENS)
         # 4. Each prompt's image latents (one VAE call per image: the images' sizes differ)
         latents = [torch.cat([self.encode_images(image[None].float() / 255.0)[0] for image in p.images]) for p in prompts]
         shapes = torch.tensor([[(1, image.shape[-2] // self.spatial_multiple, image.shape[-1] // self.spatial_multiple)
