@@ -159,3 +159,20 @@ def test_the_aggregator_refuses_a_stamp_the_store_did_not_publish(setup):
     forged = [dataclasses.replace(c, weights_hash="0" * 64) for c in chunks]
     with pytest.raises(WeightMismatchError, match="policy version 1 was sampled with weights 000000000000"):
         collect(assembler, forged, plan.prompts, 2, request_id="forged")
+
+
+def test_a_lora_version_after_a_full_one_applies_to_the_base_weights(setup, tiny_qwen_dir):
+    """A replica that held a full version and then serves a LoRA version runs base + adapter, exactly
+    what a replica that never held the full version runs (the adapter's hash alone could not tell)."""
+    from serve_app.policies import load_policy
+
+    policy, store, engine, planner = setup
+    full = {k: v + 0.05 * torch.randn_like(v) for k, v in policy.transformer.state_dict().items()}
+    store.publish(1, full, kind="full")
+    store.publish(2, lora_tensors(policy.transformer, 2), kind="lora", lora=LORA)
+    base = run(engine, planner, 0)
+    assert (run(engine, planner, 1).latents[:, -1] - base.latents[:, -1]).abs().max() > 1e-3
+    after_full = run(engine, planner, 2)
+    fresh = DiffusersEngine(load_policy(tiny_qwen_dir), store)  # never held version 1
+    torch.testing.assert_close(after_full.latents, run(fresh, planner, 2).latents, atol=1e-6, rtol=0)
+    torch.testing.assert_close(run(engine, planner, 0).latents, base.latents, atol=1e-6, rtol=0)

@@ -98,6 +98,7 @@ class PolicyVersions:
         self.current_hash = BASE_HASH
         self._base_state: dict[str, dict[str, torch.Tensor]] = {}  # expert -> its base state dict
         self._adapter_spec: dict[str, LoraSpec] = {}  # expert -> the spec of the adapter it has
+        self._holds_full: set[str] = set()  # experts whose weights are a full version's, not the base's
 
     def ensure(self, version: int) -> None:
         if version == self.current:
@@ -128,8 +129,13 @@ class PolicyVersions:
     def _to_base(self, expert: str, module: torch.nn.Module) -> None:
         if getattr(module, "peft_config", None):
             module.disable_adapters()
-        if expert in self._base_state:
+        self._restore_base_weights(expert, module)
+
+    def _restore_base_weights(self, expert: str, module: torch.nn.Module) -> None:
+        """The base weights back in place of a full version's: a LoRA version applies to the base."""
+        if expert in self._holds_full:
             module.load_state_dict(self._base_state[expert])
+            self._holds_full.discard(expert)
 
     def _apply(self, expert: str, module: torch.nn.Module, weights: WeightVersion,
                tensors: dict[str, torch.Tensor]) -> None:
@@ -137,10 +143,12 @@ class PolicyVersions:
             if expert not in self._base_state:  # keep the base to return to version 0
                 self._base_state[expert] = {k: v.detach().clone() for k, v in module.state_dict().items()}
             module.load_state_dict(tensors)
+            self._holds_full.add(expert)
             return
         from peft import set_peft_model_state_dict
 
         assert weights.lora is not None
+        self._restore_base_weights(expert, module)
         adapter = adapter_name(expert)
         if self._adapter_spec.get(expert) != weights.lora:
             # Checked before peft sees the spec: a failed add_adapter leaves the model half-configured.
