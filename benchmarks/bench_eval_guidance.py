@@ -3,7 +3,8 @@ evaluated at each guidance scale on the same prompts and seeds (ODE, validation.
 
 The rollouts of configs/trainer/shapes.yaml sample without CFG (guidance 1), so a run's eval.csv
 measures the policy it trained; this asks how much guidance adds at evaluation, to the base model
-and to the trained one. Each scale gets the app built by build_app in Serve's local testing mode.
+and to the trained one. The scales share one app built by build_app in Serve's local testing mode (a
+scale is a request's sampling setting, not the app's): each publishes the adapter as a version of its own.
 
     .venv/bin/python benchmarks/bench_eval_guidance.py --weights RUN/lora_final.safetensors [--guidance 1,2,3]
 
@@ -30,19 +31,26 @@ loopback_ray_env()
 BASE_STEP, TRAINED_STEP = 0, 1  # eval.csv's step column: the paired change is trained vs base
 
 
+def start_app(work: Path):  # type: ignore[no-untyped-def]
+    """(the app's ingress handle, its overrides): one app for every scale, its versions in `work`/weights."""
+    from serve_app.app import AppArgs, run_local
+
+    app_overrides = [f"replica.weights_dir={work / 'weights'}"]
+    return run_local(AppArgs(config="shapes_rollout", overrides=app_overrides), name="eval-guidance"), app_overrides
+
+
 def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str], samples: int,
-                eval_steps: int | None = None) -> list[dict]:
-    """eval.csv rows of the base weights (step 0) and of `weights` (step 1) at this guidance scale."""
+                eval_steps: int | None = None, app=None) -> list[dict]:  # type: ignore[no-untyped-def]
+    """eval.csv rows of the base weights (step 0) and of `weights` (step 1) at this guidance scale;
+    `app` is start_app's result (default: an app of its own)."""
     from safetensors.torch import load_file
 
-    from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
     from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
     run_dir = work / f"guidance-{guidance:g}"
-    app_overrides = [f"replica.weights_dir={run_dir / 'weights'}"]
-    handle = run_local(AppArgs(config="shapes_rollout", overrides=app_overrides), name=f"eval-guidance-{guidance:g}")
+    handle, app_overrides = app if app is not None else start_app(run_dir)
     config = load_trainer_config("trainer/shapes", [
         *app_overrides, f"validation.guidance_scale={guidance}", "trainer.image_every=0",
         "trainer.checkpoint_every=0", f"trainer.evaluation.args.splits=[{','.join(splits)}]",
@@ -51,7 +59,7 @@ def evaluate_at(guidance: float, weights: Path, *, work: Path, splits: list[str]
     trainer = FlowGRPOTrainer(config, RolloutClient(handle=handle), run_dir / "out",
                               policy=load_trainer_policy(config), progress=False)
     trainer.evaluate()  # version 0: the base weights
-    version = trainer.store.latest_version() + 1
+    version = trainer.store.latest_version() + 1  # the next free one: an earlier scale may have published
     trainer.store.publish(version, load_file(weights), kind=trainer.model.kind, lora=trainer.model.spec)
     trainer.evaluator.evaluate(TRAINED_STEP, version, weights="policy", train_minutes=0.0, images_sampled=0)
     trainer.finish()
@@ -87,9 +95,10 @@ def main() -> None:
     started = time.perf_counter()
     scales = {}
     with tempfile.TemporaryDirectory(prefix="bench-eval-guidance-") as scratch:
+        app = start_app(Path(scratch))
         for guidance in (float(g) for g in args.guidance.split(",")):
             rows = evaluate_at(guidance, args.weights, work=Path(scratch), splits=splits, samples=args.samples_per_prompt,
-                               eval_steps=args.eval_steps)
+                               eval_steps=args.eval_steps, app=app)
             scales[f"{guidance:g}"] = {split: summarize(rows, split) for split in splits}
     print(json.dumps({
         "benchmark": "bench_eval_guidance",

@@ -13,6 +13,7 @@
    change in points, for k = 0, k = 1 and k = 1 with shared noise.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--steps 8] [--repeats 3] [--accuracy-minutes 0] [--accuracy-samples-per-prompt 3]
+        [--prompts-per-step 8] [--group-size 8]   # a training step's rollout (the default: trainer/shapes')
 
 Prints one JSON document (min / median / max over repeats).
 """
@@ -57,13 +58,15 @@ def trainer_for(overrides: list[str], out: Path, extra: list[str]):
     return FlowGRPOTrainer(config, RolloutClient(APP), out, progress=False)
 
 
-def throughput(overrides: list[str], work: Path, *, staleness: list[int], steps: int, repeats: int) -> dict:
-    """Steps/s and images/s of the training loop per k, with the k = 0 shares of a step."""
+def throughput(overrides: list[str], work: Path, *, staleness: list[int], steps: int, repeats: int,
+               step_size: list[str] = ()) -> dict:
+    """Steps/s and images/s of the training loop per k, with the k = 0 shares of a step. `step_size`:
+    overrides of the trainer's prompts_per_step / group_size (none: trainer/shapes' own)."""
     rates: dict[int, list[float]] = {k: [] for k in staleness}
     shares = []
     for repeat in range(repeats):
         for k in staleness:
-            trainer = trainer_for(overrides, work / f"k{k}-r{repeat}", [f"trainer.max_staleness={k}"])
+            trainer = trainer_for(overrides, work / f"k{k}-r{repeat}", [f"trainer.max_staleness={k}", *step_size])
             trainer.train_step()  # warm-up: the first request loads nothing new, but fills the pipeline
             started = time.perf_counter()
             rows = [trainer.train_step() for _ in range(steps)]
@@ -166,7 +169,13 @@ def main() -> None:
     parser.add_argument("--noise-group-size", type=int, default=8)
     parser.add_argument("--accuracy-minutes", type=float, default=0.0, help="0 skips the accuracy comparison")
     parser.add_argument("--accuracy-samples-per-prompt", type=int, default=3, help="fixed seeds per train prompt")
+    parser.add_argument("--prompts-per-step", type=int, default=None,
+                        help="prompts a training step samples in part 1 (default: trainer/shapes', 8)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="samples per prompt of a training step in part 1 (default: trainer/shapes', 8)")
     args = parser.parse_args()
+    step_size = [*([f"trainer.prompts_per_step={args.prompts_per_step}"] if args.prompts_per_step else []),
+                 *([f"trainer.group_size={args.group_size}"] if args.group_size else [])]
 
     import torch
     from ray import serve
@@ -183,9 +192,9 @@ def main() -> None:
         serve.run(build_app(AppArgs(config="shapes_rollout", overrides=overrides)), name=APP, route_prefix=None)
         staleness = [int(k) for k in args.staleness.split(",")]
         report["training"] = throughput(overrides, Path(scratch), staleness=staleness, steps=args.steps,
-                                        repeats=args.repeats)
+                                        repeats=args.repeats, step_size=step_size)
         report["settings"] = {"steps": args.steps, "repeats": args.repeats, "trainer_config": "trainer/shapes",
-                              "torch_threads": {"trainer": 1, "replica": 1}}
+                              "trainer_overrides": step_size, "torch_threads": {"trainer": 1, "replica": 1}}
         if args.accuracy_minutes > 0:
             report["accuracy"] = accuracy_over_minutes(overrides, Path(scratch), args.accuracy_minutes,
                                                       args.accuracy_samples_per_prompt)

@@ -71,7 +71,8 @@ def test_gpu_rollout_tiny(flowgrpo_home):
     """The GPU check's whole script on the CPU at the tiny models, without Ray or Hydra (as on the device):
     ~50 s. The compile check runs with the `eager` backend here (dynamo only): inductor's CPU build alone
     would take longer than the rest (tests/policies/test_compile.py checks compiled numerics)."""
-    report = run_script("gpu_rollout.py", "--tiny", "--compile-backend", "eager", without=("ray", "hydra", "omegaconf"))
+    report = run_script("gpu_rollout.py", "--tiny", "--repeats", "1", "--compile-backend", "eager",
+                        without=("ray", "hydra", "omegaconf"))
     assert_finite(report)
     assert report["mode"] == "tiny" and report["machine"]["device"] == "cpu"
     assert report["matmul"]["tflops"]["median"] > 0
@@ -165,7 +166,7 @@ def test_bench_learning(flowgrpo_home, tmp_path):
 @pytest.mark.cluster
 def test_bench_pipeline(flowgrpo_home):
     report = run_script("bench_pipeline.py", "--steps", "1", "--repeats", "1", "--staleness", "0,1",
-                        "--noise-prompts", "1", "--noise-group-size", "2")
+                        "--noise-prompts", "1", "--noise-group-size", "2", "--prompts-per-step", "2", "--group-size", "2")
     assert_finite(report)
     assert report["training"]["k1"]["speedup_over_k0"]["median"] > 0
     assert 0 < report["training"]["k0_step_shares"]["rollout"] < 1

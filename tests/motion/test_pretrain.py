@@ -32,6 +32,7 @@ def test_committed_config_loads_and_unknown_keys_fail():
         load_pretrain_config("motion/pretrain", ["model.layres=2"])
 
 
+@pytest.mark.slow  # a learning run (24 / 16 pretraining steps); the seed test keeps a short run fast
 def test_a_few_steps_lower_the_loss_and_save_a_loadable_wan_pipeline(tmp_path, qwen2_dir):
     # One frame a token (the shipped model takes two: the test below), which takes any frame count.
     config = load_pretrain_config("motion/pretrain", [*MINIATURE, "steps=16", "eval.every=8", "model.temporal_patch=1"])

@@ -34,16 +34,26 @@ def config(flowgrpo_home):
     return load_trainer_config("trainer/flowgrpo", OVERRIDES)
 
 
-def test_the_engine_compiles_its_transformer_and_the_trainer_does_not(config):
-    assert load_engine(config).policy.compiled
-    assert not load_trainer_policy(config).compiled
+# One engine and one trainer policy for the module (loading tiny SD3's three text encoders is most of
+# the first test's time): the first test only reads their flags, the second samples without changing them.
+@pytest.fixture(scope="module")
+def engine(config):
+    return load_engine(config)
+
+
+@pytest.fixture(scope="module")
+def trainer_policy(config):
+    return load_trainer_policy(config)
+
+
+def test_the_engine_compiles_its_transformer_and_the_trainer_does_not(engine, trainer_policy):
+    assert engine.policy.compiled
+    assert not trainer_policy.compiled
 
 
 @pytest.mark.slow
-def test_compiled_rollouts_agree_with_eager_ones_and_replay_under_the_eager_trainer_policy(config):
-    engine = load_engine(config)
+def test_compiled_rollouts_agree_with_eager_ones_and_replay_under_the_eager_trainer_policy(engine, trainer_policy):
     compiled_policy = engine.policy
-    trainer_policy = load_trainer_policy(config)
     tokens = trainer_policy.text_processor().tokenize(["a red circle", "two blue squares"])
     eager = sample_group(trainer_policy, tokens, 2, PARAMS, policy_version=0)
     compiled = sample_group(compiled_policy, tokens, 2, PARAMS, policy_version=0)

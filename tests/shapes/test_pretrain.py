@@ -33,6 +33,7 @@ def test_committed_config_loads_and_unknown_keys_fail():
         load_pretrain_config("shapes/pretrain", ["model.layres=2"])
 
 
+@pytest.mark.slow  # a learning run (24 / 16 pretraining steps); the seed test keeps a short run fast
 def test_a_few_steps_lower_the_loss_and_save_a_loadable_pipeline(tmp_path, qwen2_dir):
     config = load_pretrain_config("shapes/pretrain", [*MINIATURE, "steps=24", "eval.every=8"])
     entries = pretrain(config, tmp_path / "model", qwen2_dir=qwen2_dir, log=lambda line: None)
