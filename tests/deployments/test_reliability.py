@@ -1,9 +1,9 @@
 """On a real cluster: one client's bad request never fails another's, a killed replica loses no request,
 and every error answer is a clean JSON body.
 
-One module-scoped single-node cluster on 127.0.0.1 with an app of exactly two replicas that never fuse
-chunks (max_batch_size 1) and use one torch thread each, so a chunk re-run on the other replica gives
-bit-for-bit the trajectory of the undisturbed run.
+On the session's single-node cluster on 127.0.0.1 (tests/conftest.py), an app of exactly two replicas
+that never fuse chunks (max_batch_size 1) and use one torch thread each, so a chunk re-run on the other
+replica gives bit-for-bit the trajectory of the undisturbed run.
 """
 
 import json
@@ -19,7 +19,6 @@ import torch
 
 pytestmark = pytest.mark.cluster
 
-PORT = 8127
 APP = "flowgrpo-reliability"
 OVERRIDES = [
     f"app_name={APP}",
@@ -43,18 +42,14 @@ def _deploy(name: str, overrides: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(flowgrpo_home):
-    import ray
+def cluster(ray_cluster):
+    """The app on the session's shared cluster (tests/conftest.py), deleted when this module ends;
+    returns the app's base URL."""
     from ray import serve
 
-    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"FLOWGRPO_HOME": flowgrpo_home}})
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     _deploy(APP, OVERRIDES)
-    yield f"http://127.0.0.1:{PORT}/{APP}"
-    serve.shutdown()
-    ray.shutdown()
+    yield f"{ray_cluster.url}/{APP}"
+    serve.delete(APP)
 
 
 def _body(seed: int, **extra) -> dict:
