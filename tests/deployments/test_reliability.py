@@ -159,8 +159,8 @@ def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
     """An app of one replica and no chunk retries: the requests whose chunks that replica holds when it
     is killed get a JSON 503 naming the cause, none a 500. Each request is one chunk (group_size =
     ingress.chunk_size) and there are as many as the replica takes at once (max_ongoing_requests 2), so
-    every chunk is on the replica when it dies; the kill waits until the replica computes one. The app
-    is deleted without waiting for Serve to restart the replica."""
+    every chunk is on the replica when it dies; the kill waits until the replica's CPU time shows it
+    computing one. The app is deleted without waiting for Serve to restart the replica."""
     from ray import serve
 
     app = f"{APP}-noretry"
@@ -170,14 +170,15 @@ def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
     url = cluster.replace(APP, app)
     try:
         (pid,) = _replica_pids(app)
-        # 40 steps: a chunk computes for far longer than the replica's idle CPU time grows while it waits.
-        bodies = [{"prompts": [f"a lost cat {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 40}}
+        # 80 steps: a chunk computes for several times the CPU time the threshold below waits for, which an
+        # idle replica takes far longer to spend than a request takes to reach it.
+        bodies = [{"prompts": [f"a lost cat {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 80}}
                   for i in range(2)]
         busy_from = _cpu_seconds(pid)
         with ThreadPoolExecutor(len(bodies)) as pool:
             futures = [pool.submit(_post, url, body) for body in bodies]
             deadline = time.monotonic() + 60
-            while _cpu_seconds(pid) - busy_from < 0.1:  # the replica is computing a chunk
+            while _cpu_seconds(pid) - busy_from < 0.2:  # the replica is computing a chunk
                 assert time.monotonic() < deadline and not all(f.done() for f in futures), "no chunk reached the replica"
                 time.sleep(0.005)
             os.kill(pid, signal.SIGKILL)
