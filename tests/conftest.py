@@ -1,6 +1,8 @@
-"""Shared fixtures: one embedded-model cache per test session, loopback-only Ray."""
+"""Shared fixtures: one embedded-model cache per test session, loopback-only Ray, one shared Ray cluster."""
 
 import os
+import socket
+from dataclasses import dataclass
 
 import pytest
 
@@ -71,8 +73,100 @@ def start_local_app(flowgrpo_home):
     return start
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class SharedCluster:
+    url: str  # Serve's HTTP proxy on loopback; each module deploys its apps under a route prefix of its own
+    metrics_port: int  # the node's metrics agent (Prometheus text on loopback)
+
+
+# The modules that share `ray_cluster`, in the order they run (tests/deployments/test_metrics.py first: it
+# checks that its app and trainer export every series, so no earlier app or trainer may have exported one).
+SHARED_CLUSTER_FIRST = ("test_metrics.py",)
+_shared: dict = {"modules": set(), "stop": None}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(flowgrpo_home):
+    """One single-node Ray cluster on 127.0.0.1 with Serve on a free loopback port, for every module
+    that needs no cluster of its own (starting one costs a cluster start, a Serve start and a stop per
+    module). Each module deploys its apps under its own names and route prefixes and deletes them when
+    it ends. These modules run first in the session, one after another (pytest_collection_modifyitems),
+    and the cluster stops after the last of them (pytest_runtest_teardown): the tests that follow may
+    start clusters of their own (multi-node, `ray start`), which need Ray uninitialized in this process.
+    First, also because a process that was once connected to Ray keeps the metrics it records after and
+    exports them to the next cluster it connects to (test_metrics must see only its own).
+
+    What each module used to set on its own cluster, set once here: autoscaling metrics pushed every
+    0.5 s (test_cluster's autoscaling test; 10 s by default), a known metrics export port reported every
+    second (test_metrics), gloo on loopback with one OpenMP thread (the Ray Train workers)."""
+    import ray
+    from ray import serve
+
+    env = {
+        "FLOWGRPO_HOME": flowgrpo_home,
+        "HF_HUB_OFFLINE": "1",
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        # Gloo's pairs on loopback too (by default it binds the address the host name resolves to).
+        "GLOO_SOCKET_IFNAME": "lo",
+        # Ray's own default for actors of under 2 CPUs; the Ray Train workers (0.5 CPU) ask for it explicitly.
+        "OMP_NUM_THREADS": "1",
+    }
+    # The driver's handles push their autoscaling metrics at the same interval.
+    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_SERVE_")})
+    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
+    metrics_port, http_port = _free_port(), _free_port()
+    # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
+             runtime_env={"env_vars": env})
+
+    def stop() -> None:
+        _shared["stop"] = None
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+
+    _shared["stop"] = stop
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        yield SharedCluster(url=f"http://127.0.0.1:{http_port}", metrics_port=metrics_port)
+    finally:
+        if _shared["stop"] is not None:
+            stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The shared cluster stops once the last module that uses it is done (its module fixtures, which
+    delete their apps, are torn down first)."""
+    yield
+    if _shared["stop"] is not None and (nextitem is None or nextitem.path not in _shared["modules"]):
+        _shared["stop"]()
+
+
+def _run_shared_cluster_modules_first(items) -> None:
+    """Whole modules that use `ray_cluster` go first (SHARED_CLUSTER_FIRST first among them), in their
+    collected order otherwise, so the cluster starts once and each module-scoped fixture still sets up
+    once."""
+    users = {item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    _shared["modules"] = users
+    if users:
+        rank = {path: 0 if path.name in SHARED_CLUSTER_FIRST else 1 for path in users}
+        items[:] = (sorted((item for item in items if item.path in users), key=lambda item: rank[item.path])
+                    + [item for item in items if item.path not in users])
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need a CUDA device: skipped, with the reason, on machines without one."""
+    """Modules sharing `ray_cluster` run first; `gpu` tests need a CUDA device: skipped, with the reason,
+    on machines without one."""
+    _run_shared_cluster_modules_first(items)
     import torch
 
     if torch.cuda.is_available():

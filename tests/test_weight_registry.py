@@ -1,5 +1,6 @@
 """Weight versions through Ray's object store: the registry's bookkeeping without Ray, and the
-transport on a real cluster (publish in one process, fetch in another, evict, refuse foreign models)."""
+transport on the session's shared cluster (tests/conftest.py: ray_cluster): publish in one process,
+fetch in another, evict, refuse foreign models."""
 
 import pytest
 import torch
@@ -25,16 +26,6 @@ def test_the_registry_keeps_the_last_versions_and_names_what_it_has():
         registry.entry(1)
     with pytest.raises(PolicyVersionError, match="already published"):
         registry.register(_entry(3))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(flowgrpo_home):
-    import ray
-
-    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -72,6 +63,7 @@ def test_versions_travel_through_the_object_store_and_outlive_their_publisher(ra
 
 @pytest.mark.cluster
 def test_the_app_and_trainer_share_versions_without_a_shared_folder(ray_cluster, tmp_path):
+    """On the session's shared cluster (tests/conftest.py: ray_cluster)."""
     import httpx
     from ray import serve
 
@@ -82,7 +74,6 @@ def test_the_app_and_trainer_share_versions_without_a_shared_folder(ray_cluster,
 
     overrides = ["app_name=flowgrpo-objects", "weights.transport=object_store", "weights.keep_versions=2",
                  "sampling.num_steps=4", "sampling.guidance_scale=1.0", "sampling.sde_window_size=null"]
-    serve.start(http_options={"host": "127.0.0.1", "port": 8135})
     serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-objects", route_prefix="/objects")
     try:
         config = load_trainer_config("trainer/flowgrpo", [
@@ -97,7 +88,7 @@ def test_the_app_and_trainer_share_versions_without_a_shared_folder(ray_cluster,
         assert [int(r["policy_version"]) for r in rows] == [0, 1, 2]
         assert all(r["onpolicy_ratio_dev"] < 1e-6 for r in rows)
         assert trainer.store.versions() == [2, 3]  # keep_versions = 2
-        evicted = httpx.post("http://127.0.0.1:8135/objects/v1/rollouts", timeout=60,
+        evicted = httpx.post(f"{ray_cluster.url}/objects/v1/rollouts", timeout=60,
                              json={"prompts": ["a cat"], "group_size": 2, "policy_version": 1})
         assert evicted.status_code == 409 and "policy version 1 does not exist" in evicted.json()["message"]
         trainer.finish()

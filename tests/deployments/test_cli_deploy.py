@@ -1,7 +1,8 @@
 """`serve deploy serve_config.yaml` + `serve status` from the CLI, against `ray start --head` on loopback.
 
 The head advertises one logical GPU (`--num-gpus 1` needs no device), so the README's GPU recipe
-deploys here too, with the tiny model forced onto the CPU.
+deploys here too, with the tiny model forced onto the CPU. One `serve deploy` starts the repo's app, the
+GPU recipe and a recipe whose `deployments:` conflict with its args, side by side.
 """
 
 import os
@@ -52,6 +53,9 @@ def head_node(flowgrpo_home, tmp_path_factory):
         "FLOWGRPO_HOME": flowgrpo_home,
         **loopback_ray_env(),
         "RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
+        # Serve's controller gives up on a deployment after its first failed replica start (3 a replica by
+        # default): the refused-option app fails at once, where each retry starts a replica process.
+        "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1",
     }
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix socket paths must fit 107 chars
     # `ray start --block` in its own session: killing that process group stops exactly this cluster,
@@ -90,47 +94,62 @@ def head_node(flowgrpo_home, tmp_path_factory):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def _deploy(config_file: Path, env: dict, dashboard: str, *, until: str, timeout: float = 240) -> dict:
-    """`serve deploy` on an empty Serve, then the app's status (the dashboard's REST API, which `serve
-    status` reads) until it reaches `until` (RUNNING or DEPLOY_FAILED). Shutting down first keeps an
-    earlier app's RUNNING from answering for this one."""
-    down = _run(str(BIN / "serve"), "shutdown", "--address", dashboard, "--yes", env=env)
-    assert down.returncode == 0, down.stderr[-2000:]
-    deployed = _run(str(BIN / "serve"), "deploy", str(config_file), "--address", dashboard, env=env)
-    assert deployed.returncode == 0, deployed.stderr[-2000:]
-    deadline = time.monotonic() + timeout
-    token = {"authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
-    app: dict = {}
-    while time.monotonic() < deadline:
-        reply = httpx.get(f"{dashboard}/api/serve/applications/", headers=token, timeout=30)
-        app = (reply.json().get("applications") or {}).get("flowgrpo") or {} if reply.status_code == 200 else {}
-        if app.get("status") == until:
-            return app
-        assert app.get("status") not in {"RUNNING", "DEPLOY_FAILED"} - {until}, app
-        time.sleep(1)
-    raise AssertionError(f"the app did not reach {until} in {timeout} s:\n{app}")
-
-
-def _with_args(config_file: Path, args: dict, deployments: list | None = None) -> Path:
-    config = yaml.safe_load(config_file.read_text())
-    config["applications"][0]["args"] = args
-    if deployments is not None:
-        config["applications"][0]["deployments"] = deployments
-    out = config_file.with_name(f"serve_config.{len(list(config_file.parent.iterdir()))}.yaml")
-    out.write_text(yaml.safe_dump(config))
-    return out
-
-
 # The README's "Training a real model" recipe, with the tiny model in place of the real checkout.
 GPU_RECIPE = {
     "config": "gpu_rollout",
     "overrides": ["model=tiny_qwen_image", "model.device=cpu", "replica.num_gpus=1", "replica.autoscaling.max_replicas=8"],
 }
+# The recipe again, with `deployments:` giving the replica other resources than its args: it must refuse to
+# start. Its ingress and aggregator take no CPU, so the three apps fit the head's 2 CPUs (0.7 + 0.7 + 0.5).
+CONFLICTING = {
+    "name": "flowgrpo-conflict", "route_prefix": "/conflict", "import_path": "serve_app.app:build_app",
+    "args": {**GPU_RECIPE, "overrides": [*GPU_RECIPE["overrides"], "app_name=flowgrpo-conflict",
+                                         "ingress.num_cpus=0", "aggregator.num_cpus=0"]},
+    "deployments": [{"name": "DiffusionReplica", "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}}],
+}
+APPS = ("flowgrpo", "flowgrpo-gpu", "flowgrpo-conflict")
 
 
-def test_serve_deploy_reaches_running_and_serves(head_node):
+@pytest.fixture(scope="module")
+def deployed(head_node):
+    """One `serve deploy` (on an empty Serve) of the repo's serve_config.yaml with two more applications
+    beside its own: the README's GPU recipe and a conflicting variant of it. The three start together,
+    where one deploy each (a Serve shutdown, a deploy, replicas loading their models) took three times
+    as long; each test waits for its own app's status."""
     env, dashboard, config_file, http_port = head_node
-    app = _deploy(config_file, env, dashboard, until="RUNNING")
+    config = yaml.safe_load(config_file.read_text())
+    gpu = {**config["applications"][0], "name": "flowgrpo-gpu", "route_prefix": "/gpu",
+           "args": {**GPU_RECIPE, "overrides": [*GPU_RECIPE["overrides"], "app_name=flowgrpo-gpu"]}}
+    config["applications"] += [gpu, CONFLICTING]
+    assert [app["name"] for app in config["applications"]] == list(APPS)
+    three = config_file.with_name("serve_config.three_apps.yaml")
+    three.write_text(yaml.safe_dump(config))
+    down = _run(str(BIN / "serve"), "shutdown", "--address", dashboard, "--yes", env=env)
+    assert down.returncode == 0, down.stderr[-2000:]
+    deployed = _run(str(BIN / "serve"), "deploy", str(three), "--address", dashboard, env=env)
+    assert deployed.returncode == 0, deployed.stderr[-2000:]
+    return head_node
+
+
+def _wait_for(name: str, env: dict, dashboard: str, *, until: str, timeout: float = 240) -> dict:
+    """The app's status (the dashboard's REST API, which `serve status` reads) once it is `until`
+    (RUNNING or DEPLOY_FAILED); fails at once on the other of the two."""
+    deadline = time.monotonic() + timeout
+    token = {"authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
+    app: dict = {}
+    while time.monotonic() < deadline:
+        reply = httpx.get(f"{dashboard}/api/serve/applications/", headers=token, timeout=30)
+        app = (reply.json().get("applications") or {}).get(name) or {} if reply.status_code == 200 else {}
+        if app.get("status") == until:
+            return app
+        assert app.get("status") not in {"RUNNING", "DEPLOY_FAILED"} - {until}, app
+        time.sleep(0.5)
+    raise AssertionError(f"the app {name} did not reach {until} in {timeout} s:\n{app}")
+
+
+def test_serve_deploy_reaches_running_and_serves(deployed):
+    env, dashboard, _, http_port = deployed
+    app = _wait_for("flowgrpo", env, dashboard, until="RUNNING")
     assert set(app["deployments"]) == {"TokenizerIngress", "DiffusionReplica", "TrajectoryAggregator"}
     assert all(d["status"] == "HEALTHY" for d in app["deployments"].values()), app
     status = yaml.safe_load(_run(str(BIN / "serve"), "status", "--address", dashboard, env=env).stdout)
@@ -142,22 +161,19 @@ def test_serve_deploy_reaches_running_and_serves(head_node):
     assert len(reply.json()["samples"]) == 2
 
 
-def test_the_readme_gpu_recipe_gives_the_replica_a_gpu(head_node):
+def test_the_readme_gpu_recipe_gives_the_replica_a_gpu(deployed):
     from ray.util.state import list_actors
 
-    env, dashboard, config_file, _ = head_node
-    _deploy(_with_args(config_file, GPU_RECIPE), env, dashboard, until="RUNNING")
+    env, dashboard, _, _ = deployed
+    _wait_for("flowgrpo-gpu", env, dashboard, until="RUNNING")
     replicas = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True, raise_on_missing_output=False)
-    held = [a.required_resources for a in replicas if a.class_name.endswith("DiffusionReplica")]
+    held = [a.required_resources for a in replicas if a.name.startswith("SERVE_REPLICA::flowgrpo-gpu#DiffusionReplica#")]
     assert held and all(r.get("GPU") == 1.0 for r in held), held
 
 
-def test_an_option_set_in_serve_config_and_in_args_fails_the_deploy_naming_both(head_node):
-    env, dashboard, config_file, _ = head_node
-    conflicting = _with_args(config_file, GPU_RECIPE, deployments=[
-        {"name": "DiffusionReplica", "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0}},
-    ])
-    app = _deploy(conflicting, env, dashboard, until="DEPLOY_FAILED", timeout=300)
+def test_an_option_set_in_serve_config_and_in_args_fails_the_deploy_naming_both(deployed):
+    env, dashboard, _, _ = deployed
+    app = _wait_for("flowgrpo-conflict", env, dashboard, until="DEPLOY_FAILED", timeout=300)
     message = app["deployments"]["DiffusionReplica"]["message"]
     assert "ray_actor_options.num_gpus = 0" in message and "replica.num_gpus = 1" in message, message
     assert "deployments:" in message, message

@@ -1,7 +1,7 @@
 """What only a real Ray cluster shows: actors, HTTP, @serve.batch, autoscaling, back-pressure.
 
-One module-scoped single-node cluster on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 set in
-conftest), stopped at the end. Requests are bounded in number and time.
+The session's single-node cluster on 127.0.0.1 (tests/conftest.py: ray_cluster), the app deployed for
+this module and deleted at its end. Requests are bounded in number and time.
 """
 
 import base64
@@ -15,8 +15,6 @@ import torch
 
 pytestmark = pytest.mark.cluster
 
-PORT = 8123
-BASE = f"http://127.0.0.1:{PORT}"
 OVERRIDES = [
     "sampling.num_steps=4",
     "sampling.sde_window_range=[0,2]",
@@ -35,29 +33,47 @@ OVERRIDES = [
 ]
 
 
+# A Wan app on its own route.
+VIDEO = [o for o in OVERRIDES if not o.startswith("ingress.")] + [
+    "app_name=flowgrpo-video", "model=tiny_wan", "reward=video_brightness", "sampling.num_steps=3",
+    "sampling.sde_window_range=[0,1]", "ingress.chunk_size=4", "replica.autoscaling.max_replicas=1",
+]
+# A single replica that queues at most one chunk.
+TIGHT = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.autoscaling.m"))] + [
+    "app_name=flowgrpo-tight",
+    "replica.max_ongoing_requests=1",
+    "replica.max_batch_size=1",
+    "replica.max_queued_requests=1",
+    "replica.autoscaling.min_replicas=1",
+    "replica.autoscaling.max_replicas=1",
+]
+APPS = {"flowgrpo": ("/", OVERRIDES), "flowgrpo-video": ("/video", VIDEO), "flowgrpo-tight": ("/tight", TIGHT)}
+
+
 @pytest.fixture(scope="module")
-def cluster(flowgrpo_home):
-    import ray
+def weights(tmp_path_factory) -> list[str]:
+    """The main app's weight folder, this module's own (a FLOWGRPO_TEST_HOME kept between runs already
+    holds the versions an earlier run published)."""
+    return [f"replica.weights_dir={tmp_path_factory.mktemp('weights')}"]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, weights):
+    """The module's three apps on the session's shared cluster (tests/conftest.py, autoscaling metrics
+    pushed every 0.5 s), deployed together (their replicas start side by side, where one deploy after
+    another cost each its own wait) and deleted when this module ends (the tests that use the video and
+    tight apps delete them sooner); returns the base URL."""
     from ray import serve
 
     from serve_app.app import AppArgs, build_app
 
-    # Autoscaling decisions need fresh metrics; the 10 s default push interval would make the test slow.
-    env = {
-        "FLOWGRPO_HOME": flowgrpo_home,
-        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-    }
-    import os
-
-    os.environ.update(env)
-    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    handle = serve.run(build_app(AppArgs(overrides=OVERRIDES)), name="flowgrpo", route_prefix="/")
-    yield handle
-    serve.shutdown()
-    ray.shutdown()
+    apps = {**APPS, "flowgrpo": ("/", OVERRIDES + weights)}
+    serve.run_many([serve.RunTarget(build_app(AppArgs(overrides=overrides)), name=name, route_prefix=prefix)
+                    for name, (prefix, overrides) in apps.items()])
+    yield ray_cluster.url
+    for name in APPS:
+        if name in serve.status().applications:
+            serve.delete(name)
 
 
 def test_whole_graph_by_handle(cluster):
@@ -78,7 +94,7 @@ def test_http_matches_handle_seeds(cluster):
 
     by_handle = RolloutClient("flowgrpo").rollout(["a cat", "two red circles"], group_size=4, seed=9)
     body = {"prompts": ["a cat", "two red circles"], "group_size": 4, "seed": 9, "return_images": True}
-    response = httpx.post(f"{BASE}/v1/rollouts", json=body, timeout=120)
+    response = httpx.post(f"{cluster}/v1/rollouts", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
     samples = answer["samples"]
@@ -97,22 +113,15 @@ def test_http_video_rollout_carries_one_mp4_per_sample(cluster):
     """A Wan app on its own route: over a live socket, each sample's MP4 decodes to its video."""
     from ray import serve
 
-    from serve_app.app import AppArgs, build_app
     from serve_app.client import RolloutClient
     from serve_app.media import decode_mp4
 
-    video = [o for o in OVERRIDES if not o.startswith("ingress.")] + [
-        "app_name=flowgrpo-video", "model=tiny_wan", "reward=video_brightness", "sampling.num_steps=3",
-        "sampling.sde_window_range=[0,1]", "ingress.chunk_size=4", "replica.autoscaling.max_replicas=1",
-    ]
-    serve.run(build_app(AppArgs(config="diffusion_rollout", overrides=video)), name="flowgrpo-video",
-              route_prefix="/video")
     try:
         by_handle = RolloutClient("flowgrpo-video").rollout(["a red circle"], group_size=2, seed=3,
                                                              sampling={"num_frames": 5}).trajectory
         body = {"prompts": ["a red circle"], "group_size": 2, "seed": 3, "sampling": {"num_frames": 5},
                 "return_images": True}
-        response = httpx.post(f"{BASE}/video/v1/rollouts", json=body, timeout=120)
+        response = httpx.post(f"{cluster}/video/v1/rollouts", json=body, timeout=120)
         assert response.status_code == 200, response.text
         samples = response.json()["samples"]
         assert [s["seed"] for s in samples] == by_handle.seeds.tolist()
@@ -123,17 +132,17 @@ def test_http_video_rollout_carries_one_mp4_per_sample(cluster):
             # H.264 is lossy: each frame's mean level survives, not each pixel.
             torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), frames.float().mean(dim=(1, 2, 3)),
                                        atol=3, rtol=0)
-        refused = httpx.post(f"{BASE}/video/v1/rollouts", json={**body, "sampling": {"num_frames": 4}}, timeout=30)
+        refused = httpx.post(f"{cluster}/video/v1/rollouts", json={**body, "sampling": {"num_frames": 4}}, timeout=30)
         assert refused.status_code == 422 and refused.json()["field"] == "sampling.num_frames"
     finally:
         serve.delete("flowgrpo-video")
 
 
 def test_health_and_openapi(cluster):
-    assert httpx.get(f"{BASE}/healthz", timeout=10).json() == {"status": "ok"}
-    spec = httpx.get(f"{BASE}/openapi.json", timeout=10).json()
+    assert httpx.get(f"{cluster}/healthz", timeout=10).json() == {"status": "ok"}
+    spec = httpx.get(f"{cluster}/openapi.json", timeout=10).json()
     assert "/v1/rollouts" in spec["paths"]
-    assert httpx.get(f"{BASE}/docs", timeout=10).status_code == 200
+    assert httpx.get(f"{cluster}/docs", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -150,7 +159,7 @@ def test_health_and_openapi(cluster):
     ],
 )
 def test_bad_input_gets_a_status_code_and_the_field(cluster, body, status, field):
-    response = httpx.post(f"{BASE}/v1/rollouts", json=body, timeout=60)
+    response = httpx.post(f"{cluster}/v1/rollouts", json=body, timeout=60)
     assert response.status_code == status, response.text
     payload = response.json()
     assert payload["field"] == field and payload["message"]
@@ -160,7 +169,7 @@ def test_64_concurrent_http_requests_with_mixed_prompt_lengths(cluster):
     def call(i: int) -> int:
         prompt = "a cat " + "and a very long tail " * (i % 9)
         body = {"prompts": [prompt], "group_size": 2, "seed": i, "sampling": {"num_steps": 2, "sde_window_range": [0, 1], "sde_window_size": 1}}
-        return httpx.post(f"{BASE}/v1/rollouts", json=body, timeout=300).status_code
+        return httpx.post(f"{cluster}/v1/rollouts", json=body, timeout=300).status_code
 
     with ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(call, range(64)))
@@ -182,7 +191,7 @@ def test_app_not_deployed_says_how_to_deploy(cluster):
         RolloutClient("no-such-app").rollout(["a cat"], 2)
 
 
-def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_pushed_version(cluster, flowgrpo_home):
+def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_pushed_version(cluster, weights):
     from serve_app.client import RolloutClient
     from serve_app.config import load_config
     from serve_app.weights import LoraSpec, open_weight_store
@@ -190,7 +199,7 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
     client = RolloutClient("flowgrpo")
     _wait_for_replicas(1, timeout_s=90)  # earlier tests' load may have scaled it up
     # Push version 1 while only one replica runs: the one autoscaling adds must fetch it itself.
-    store = open_weight_store(load_config("diffusion_rollout", OVERRIDES))
+    store = open_weight_store(load_config("diffusion_rollout", OVERRIDES + weights))
     g = torch.Generator().manual_seed(0)
     store.publish(1, {"proj_out.lora_A.weight": torch.randn(2, 32, generator=g) * 0.3,
                       "proj_out.lora_B.weight": torch.randn(16, 2, generator=g) * 0.3},
@@ -252,21 +261,10 @@ def test_backpressure_gives_503_with_a_message(cluster):
     """A second app whose single replica queues at most one chunk: a burst gets 503s, the rest succeed."""
     from ray import serve
 
-    from serve_app.app import AppArgs, build_app
-
-    tight = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.autoscaling.m"))] + [
-        "app_name=flowgrpo-tight",
-        "replica.max_ongoing_requests=1",
-        "replica.max_batch_size=1",
-        "replica.max_queued_requests=1",
-        "replica.autoscaling.min_replicas=1",
-        "replica.autoscaling.max_replicas=1",
-    ]
-    serve.run(build_app(AppArgs(overrides=tight)), name="flowgrpo-tight", route_prefix="/tight")
     try:
         def call(i: int) -> httpx.Response:
             body = {"prompts": [f"burst {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 8, "sde_window_range": [0, 5]}}
-            return httpx.post(f"{BASE}/tight/v1/rollouts", json=body, timeout=300)
+            return httpx.post(f"{cluster}/tight/v1/rollouts", json=body, timeout=300)
 
         with ThreadPoolExecutor(12) as pool:
             responses = list(pool.map(call, range(12)))

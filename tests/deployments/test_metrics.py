@@ -1,13 +1,12 @@
 """Every metric the shipped Grafana dashboard queries is one a running app and trainer export.
 
-One module-scoped cluster on loopback with a known metrics export port and a 1 s report interval;
-traffic, two training steps, a dropped batch and a weight mismatch make every series appear; then the
+The session's shared cluster on loopback (tests/conftest.py), with a known metrics export port and a 1 s
+report interval, runs the app; traffic, two training steps, a dropped batch and a weight mismatch make every series appear; then the
 Prometheus text of the node's metrics agent is scraped over loopback.
 """
 
 import json
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -39,31 +38,33 @@ REWARDS = ("reward.components=[{name: brightness, args: {target: 0.8}}, {name: '
            " server: {runtime_env: {env_vars: {FLOWGRPO_TEST_REWARD_VALUE: '0.25'}}}}]")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def cluster(flowgrpo_home, tmp_path_factory):
-    import ray
+def cluster(ray_cluster, tmp_path_factory):
+    """The app on the session's shared cluster (tests/conftest.py: a known metrics export port, a 1 s
+    report interval), deleted when this module ends. Nothing has exported a flowgrpo series there yet
+    (conftest runs this module first in the session; a process once connected to Ray exports what it
+    records later to the next cluster it joins): every series the test sees is this module's app's or
+    trainer's."""
     from ray import serve
 
     from serve_app.app import AppArgs, build_app
 
-    port = _free_port()
-    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", _metrics_export_port=port,
-             _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"FLOWGRPO_HOME": flowgrpo_home}})
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    port = ray_cluster.metrics_port
+    deadline = time.monotonic() + 60
+    while True:  # the metrics agent answers a moment after the cluster starts
+        try:
+            exported = _exported(port)
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, "the node's metrics agent did not answer"
+            time.sleep(0.5)
+    earlier = sorted(set(re.findall(r"^(ray_flowgrpo_\w+)[{ ]", exported, re.MULTILINE)))
+    assert not earlier, f"an earlier module's app or trainer exported {earlier} on the shared cluster"
     overrides = [f"app_name={APP}", f"replica.weights_dir={tmp_path_factory.mktemp('weights')}",
                  "sampling.num_steps=4", "sampling.guidance_scale=1.0", "sampling.sde_window_size=null", REWARDS]
     serve.run(build_app(AppArgs(overrides=overrides)), name=APP, route_prefix=None)
     yield port, overrides
-    serve.shutdown()
-    ray.shutdown()
+    serve.delete(APP)
 
 
 def _queried_metrics() -> set[str]:
