@@ -118,16 +118,25 @@ def test_workers_must_divide_the_prompts_of_a_step(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process, tmp_path, ray_cluster):
-    """The `--workers 2` path: TorchTrainer, 2 gloo workers (DDP), rank 0 publishes and writes metrics.
-    On the session's shared cluster (tests/conftest.py: gloo on loopback, one OpenMP thread per worker)."""
+def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process, tmp_path, flowgrpo_home):
+    """The `--workers 2` path: TorchTrainer, 2 gloo workers (DDP), rank 0 publishes and writes metrics."""
     import csv
+
+    import ray
 
     from serve_app.trainer.distributed import run_data_parallel
 
     single, base = one_process
     config = trainer_config(tmp_path, "ddp", "trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5")
-    report = run_data_parallel(config, tmp_path / "ddp" / "out", source=fixed_source(rollout), progress=False)
+    # Gloo's pairs on loopback too (by default it binds the address the host name resolves to).
+    env = {"FLOWGRPO_HOME": flowgrpo_home, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
+    # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
+    try:
+        report = run_data_parallel(config, tmp_path / "ddp" / "out", source=fixed_source(rollout), progress=False)
+    finally:
+        ray.shutdown()
     assert report["policy_version"] == 1 and "final policy version 1" in report["summary"]
     assert_same_update(single, published(config), base)
     with (tmp_path / "ddp" / "out" / "metrics.csv").open() as f:
