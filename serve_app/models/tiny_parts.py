@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 import torch
 
 from diffusers import AutoencoderKL
-from transformers import AutoTokenizer, CLIPTextConfig, T5Config, T5EncoderModel
+from transformers import CLIPTextConfig, T5Config, T5EncoderModel
 
 from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE, build_qwen2_tokenizer, place_tokenizer_json
+from .tokenizer_cache import load_tokenizer
 
 
 def clip_text_config(dim: int, *, layers: int, max_length: int, heads: int = 2, **extra: Any) -> CLIPTextConfig:
@@ -62,7 +63,7 @@ def tokenizer_slots(tokenizer_dir: Path, lengths: Mapping[str, int]) -> dict[str
     """slot -> the Qwen2 tokenizer with that slot's `model_max_length`. Loading the 151k-token tokenizer
     takes about a second; the slots differ only in their length, so they are shallow copies sharing
     one backend."""
-    base = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    base = load_tokenizer(tokenizer_dir)
     slots = {}
     for slot, length in lengths.items():
         slots[slot] = copy.copy(base)

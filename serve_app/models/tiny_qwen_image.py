@@ -31,10 +31,11 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID
+from .tokenizer_cache import load_tokenizer
 
 __all__ = [
     "QWEN_IMAGE_SCHEDULER_CONFIG", "QwenImageSize", "build_tiny_qwen_image", "min_image_size", "qwen25vl_text_encoder",
@@ -254,7 +255,7 @@ def build_tiny_qwen_image(
     directory written by :func:`build_qwen2_tokenizer`; without it one is built (~3 s).
     """
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizer = load_tokenizer(tokenizer_dir)
         with torch.device("cpu"):
             pipe = qwen_image_pipeline(size, tokenizer=tokenizer, seed=seed)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
-from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tiny_qwen_image import _SPECS, _TEXT_VOCAB_SIZE, QWEN_IMAGE_SCHEDULER_CONFIG, _transformer, _vae, qwen25vl_text_encoder
 from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID
 from .vl_processor import Qwen2VLImageOnlyProcessor
+from .tokenizer_cache import load_tokenizer
 
 __all__ = ["TINY_INPUT_IMAGE_AREA", "build_tiny_qwen_image_edit", "qwen_image_edit_pipeline", "tiny_vl_processor"]
 
@@ -71,7 +71,7 @@ def build_tiny_qwen_image_edit(out_dir: Path, *, seed: int = 0, tokenizer_dir: P
     (the policy loads it as :class:`Qwen2VLImageOnlyProcessor`, which needs no torchvision).
     """
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizer = load_tokenizer(tokenizer_dir)
         with torch.device("cpu"):
             pipe = qwen_image_edit_pipeline(tokenizer=tokenizer, seed=seed)
         out = save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer", "processor"])

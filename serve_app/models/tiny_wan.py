@@ -45,10 +45,11 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
-from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+from transformers import UMT5Config, UMT5EncoderModel
 
 from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
+from .tokenizer_cache import load_tokenizer
 
 __all__ = ["WanSize", "build_tiny_wan", "wan_pipeline"]
 
@@ -189,7 +190,7 @@ def build_tiny_wan(out_dir: Path, *, size: WanSize = "tiny", seed: int = 0, toke
     CPU and saves it (float32 safetensors), bit-reproducibly (:func:`wan_pipeline`). ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizer = load_tokenizer(tokenizer_dir)
         with torch.device("cpu"):
             pipe = wan_pipeline(size, tokenizer=tokenizer, seed=seed)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])

@@ -16,8 +16,10 @@ from pathlib import Path
 
 from tiktoken.load import load_tiktoken_bpe
 from tokenizers import Tokenizer, models
-from transformers import AddedToken, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
+from transformers import AddedToken, PreTrainedTokenizerFast, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from .tokenizer_cache import load_tokenizer
 
 __all__ = [
     "QWEN2_ADDED_TOKENS",
@@ -239,7 +241,7 @@ def build_word_level_tokenizer(qwen2_dir: Path, out_dir: Path, texts: Sequence[s
     of ``texts`` must be one Qwen2 token, so ids line up with Qwen2's pieces one to one (and a
     prompt template keeps its length); a text where that fails raises RuntimeError.
     """
-    qwen = AutoTokenizer.from_pretrained(str(qwen2_dir), local_files_only=True)
+    qwen = load_tokenizer(qwen2_dir)
     backend = qwen.backend_tokenizer
     pieces: dict[str, None] = {}
     for text in texts:

@@ -23,6 +23,7 @@ from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
 from serve_app.media import resize_image
+from serve_app.models.tokenizer_cache import pipeline_tokenizers
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 
@@ -37,14 +38,16 @@ class TextProcessor(abc.ABC):
 
     Fast tokenizers keep padding/truncation settings in a Rust object that every call with
     `truncation=`/`padding=` rewrites; one thread rewriting it while another encodes raised
-    "RuntimeError: Already borrowed" (tokenizers 0.22). A lock per processor serializes the calls:
+    "RuntimeError: Already borrowed" (tokenizers 0.22). One lock serializes the calls, for the whole
+    process because processors over the same folder share one backend (serve_app.models.tokenizer_cache):
     encoding a request's prompts takes about a millisecond, while a per-thread copy of a 150k-token
     tokenizer costs about a second for every new thread of a pool.
     """
 
+    _lock = threading.Lock()
+
     def __init__(self, tokenizers: dict[str, Any]) -> None:
         self._tokenizers = tokenizers
-        self._lock = threading.Lock()
 
     def _tokenizer(self, name: str) -> Any:
         return self._tokenizers[name]
@@ -221,6 +224,7 @@ class DiffusionPolicy(abc.ABC):
             )
             for name, path in (components or {}).items()
         }
+        own = {**pipeline_tokenizers(local_dir), **own}
         pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype, **own)
         return cls.from_pipeline(pipeline, device=device, dtype=dtype)
 

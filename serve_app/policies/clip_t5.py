@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from transformers import AutoTokenizer
 
 from serve_app.policies.base import TextProcessor, rows_of
 from serve_app.schemas import PromptTokens
+from serve_app.models.tokenizer_cache import load_tokenizer
 
 DEFAULT_CLIP_LENGTH = 77  # the stock pipelines' fallback when they have no CLIP tokenizer
 
@@ -64,7 +64,7 @@ class ClipT5TextProcessor(TextProcessor):
             folder = Path(local_dir) / slot
             if slot == cls.t5_slot and not cls.t5_required and not folder.is_dir():
                 continue
-            tokenizers[slot] = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            tokenizers[slot] = load_tokenizer(folder)
         return cls(tokenizers)
 
     def format(self, prompt: str) -> str:

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-from transformers import AutoTokenizer
 
 from serve_app.policies.base import PackedLatentPolicy, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.models.tokenizer_cache import load_tokenizer
 
 # The pipeline's own template: the encoder's hidden states of the first 34 tokens (the system
 # prompt and the user header) are dropped.
@@ -83,7 +83,7 @@ class QwenImagePolicy(PackedLatentPolicy):
 
     @classmethod
     def load_text_processor(cls, local_dir: str | Path) -> QwenImageTextProcessor:
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(local_dir) / "tokenizer"), local_files_only=True)
+        tokenizer = load_tokenizer(Path(local_dir) / "tokenizer")
         return QwenImageTextProcessor({"tokenizer": tokenizer})
 
     @property

@@ -25,12 +25,12 @@ from typing import ClassVar
 import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-from transformers import AutoTokenizer
 
 from serve_app.media import to_pil
 from serve_app.policies.base import TextProcessor
 from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.models.tokenizer_cache import load_tokenizer
 
 # QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
 EDIT_PROMPT_TEMPLATE = (
@@ -82,7 +82,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
 
     @classmethod
     def load_text_processor(cls, local_dir: str | Path) -> QwenImageEditTextProcessor:
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(local_dir) / "tokenizer"), local_files_only=True)
+        tokenizer = load_tokenizer(Path(local_dir) / "tokenizer")
         return QwenImageEditTextProcessor({"tokenizer": tokenizer})
 
     # -- conditioning --------------------------------------------------------------------------

@@ -52,10 +52,10 @@ from typing import Any
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-from transformers import AutoTokenizer
 
 from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.models.tokenizer_cache import load_tokenizer
 
 TOKENIZER_SLOT = "tokenizer"
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
@@ -224,7 +224,7 @@ class WanPolicy(DiffusionPolicy):
 
     @classmethod
     def load_text_processor(cls, local_dir: str | Path) -> WanTextProcessor:
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(local_dir) / TOKENIZER_SLOT), local_files_only=True)
+        tokenizer = load_tokenizer(Path(local_dir) / TOKENIZER_SLOT)
         return WanTextProcessor({TOKENIZER_SLOT: tokenizer})
 
     @property
