@@ -34,13 +34,13 @@ class Section(BaseModel):
 # Families whose pipelines sample videos [B, F, 3, H, W]; the others sample images [B, 3, H, W].
 VIDEO_FAMILIES = ("wan",)
 # Families whose requests carry input images (a request's `images`, one list per prompt).
-IMAGE_CONDITIONED_FAMILIES = ("qwen_image_edit",)
+IMAGE_CONDITIONED_FAMILIES = ("qwen_image_edit", "flux_kontext")
 
 
 class ModelConfig(Section):
     """Which diffusion model the replicas load."""
 
-    family: Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "wan"] = Field(
+    family: Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "flux_kontext", "wan"] = Field(
         "qwen_image", description="Model family (selects the policy adapter)."
     )
     path: str | None = Field(
@@ -65,9 +65,10 @@ class ModelConfig(Section):
     )
     input_image_area: int | None = Field(
         None, ge=1,
-        description="Image-conditioned families (qwen_image_edit): the pixels each input image is resized to, its "
-        "aspect ratio kept and each side rounded to a multiple of 32; None keeps the pipeline's own (1024 x 1024). "
-        "Text-to-image families take none.",
+        description="Image-conditioned families (qwen_image_edit, flux_kontext): the pixels each input image is "
+        "resized to, its aspect ratio kept and each side rounded to a multiple of 32 (flux_kontext: the nearest of "
+        "Kontext's preferred resolutions scaled to this area, sides floored to the VAE factor x 2); None keeps the "
+        "pipeline's own (1024 x 1024). Text-to-image families take none.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")
     compile: bool = Field(

@@ -32,7 +32,7 @@ __all__ = [
 # are not reused.
 BUILD_VERSION = "v1"
 
-ModelFamily = Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "wan"]
+ModelFamily = Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "flux_kontext", "wan"]
 
 
 class Builder(Protocol):
@@ -80,6 +80,12 @@ def _tiny_flux(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     return build_tiny_flux(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
 
 
+def _tiny_flux_kontext(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_flux import build_tiny_flux
+
+    return build_tiny_flux(out_dir, seed=0, tokenizer_dir=tokenizer_dir, kontext=True)
+
+
 def _tiny_wan(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     from .tiny_wan import build_tiny_wan
 
@@ -110,6 +116,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-qwen-image-edit": EmbeddedModel("qwen_image_edit", build=_tiny_qwen_image_edit),
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
     "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
+    "tiny-flux-kontext": EmbeddedModel("flux_kontext", build=_tiny_flux_kontext),
     "tiny-wan": EmbeddedModel("wan", build=_tiny_wan),
     "tiny-wan22": EmbeddedModel("wan", build=_tiny_wan22),  # two experts (Wan2.2-T2V-A14B's layout)
     "tiny-wan22-ti2v": EmbeddedModel("wan", build=_tiny_wan22_ti2v),  # expand_timesteps, 48-channel VAE (TI2V-5B's)

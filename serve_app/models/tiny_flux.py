@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel
 
 from .tiny_parts import clip_text_config, kl_vae, qwen2_tokenizer, save_pipeline, seeded_components, t5_encoder, tokenizer_slots
@@ -72,8 +72,9 @@ def _scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Builds a random-weight ``FluxPipeline`` and saves it (float32 safetensors), bit-reproducibly:
+def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None, kontext: bool = False) -> Path:
+    """Builds a random-weight ``FluxPipeline`` (with `kontext`, the same parts as a ``FluxKontextPipeline``:
+    FLUX.1 Kontext has Flux.1-dev's architecture) and saves it (float32 safetensors), bit-reproducibly:
     each component is created right after ``torch.manual_seed``. ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
@@ -82,5 +83,5 @@ def build_tiny_flux(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None 
                   ("text_encoder_2", lambda: t5_encoder(_T5_DIM), seed))
         with torch.device("cpu"):
             components = seeded_components(makers, torch.float32)
-        pipe = FluxPipeline(scheduler=_scheduler(), **components, **tokenizers)
+        pipe = (FluxKontextPipeline if kontext else FluxPipeline)(scheduler=_scheduler(), **components, **tokenizers)
         return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=tokenizers)

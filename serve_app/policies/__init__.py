@@ -28,7 +28,7 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SUPPORTED_FAMILIES = ("qwen_image", "qwen_image_edit", "sd3", "flux", "wan")
+SUPPORTED_FAMILIES = ("qwen_image", "qwen_image_edit", "sd3", "flux", "flux_kontext", "wan")
 
 
 def policy_class(family: str) -> type[DiffusionPolicy]:
@@ -49,6 +49,10 @@ def policy_class(family: str) -> type[DiffusionPolicy]:
         from serve_app.policies.flux import FluxPolicy
 
         return FluxPolicy
+    if family == "flux_kontext":
+        from serve_app.policies.flux_kontext import FluxKontextPolicy
+
+        return FluxKontextPolicy
     if family == "wan":
         from serve_app.policies.wan import WanPolicy
 
@@ -124,7 +128,7 @@ def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
     policy = load_policy(
         model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype], components=model.components
     )
-    if model.family == "flux":
+    if model.family in ("flux", "flux_kontext"):
         policy.distilled_guidance = model.distilled_guidance  # type: ignore[attr-defined]
     if model.input_image_area is not None:
         policy.input_image_area = model.input_image_area

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import copy
+import dataclasses
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -84,6 +85,9 @@ class ImageGeometry:
     input_images: tuple[int, int] = (0, 0)  # (fewest, most) input images a prompt takes; (0, 0): text only
     input_image_area: int = 0  # pixels an input image is resized to, its aspect ratio kept
     input_image_multiple: int = 32  # ... each side rounded to a multiple of this (Qwen-Image-Edit's rounding)
+    # (width, height) sizes at input_image_area: an input image takes the one nearest its aspect ratio, each side
+    # floored to input_image_multiple (FLUX.1 Kontext's preferred resolutions); empty: the area rule above.
+    input_image_resolutions: tuple[tuple[float, float], ...] = ()
     experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
 
     def check_guidance(self, guidance_scale_2: float | None) -> None:
@@ -141,16 +145,26 @@ class ImageGeometry:
         takes = str(fewest) if fewest == most else f"{fewest} to {most}"
         raise InvalidRequestError(f"{self.family} takes {takes} input image(s) per prompt; got {count}", field)
 
+    def with_input_resolutions(self, resolutions: tuple[tuple[float, float], ...], *, multiple: int) -> ImageGeometry:
+        """This geometry with input images resized to the nearest of `resolutions`, sides floored to `multiple`."""
+        return dataclasses.replace(self, input_image_resolutions=resolutions, input_image_multiple=multiple)
+
     def input_image_size(self, height: int, width: int, field: str = "images") -> tuple[int, int]:
         """The (height, width) an input image of height x width is resized to before the model sees it: the
         area `input_image_area` at the image's aspect ratio, each side rounded to `input_image_multiple`
-        (as QwenImageEditPipeline's calculate_dimensions does). Raises InvalidRequestError naming `field`
-        for an aspect ratio so extreme that a side rounds to 0 or beyond the position embedding."""
+        (as QwenImageEditPipeline's calculate_dimensions does), or with `input_image_resolutions` the one
+        nearest its aspect ratio, each side floored (as FluxKontextPipeline's _auto_resize does). Raises
+        InvalidRequestError naming `field` for an aspect ratio so extreme that a side rounds to 0 or beyond
+        the position embedding."""
         ratio = width / height
-        scaled_width = math.sqrt(self.input_image_area * ratio)
-        scaled_height = scaled_width / ratio
         m = self.input_image_multiple
-        size = (round(scaled_height / m) * m, round(scaled_width / m) * m)  # round half to even, as the pipeline
+        if self.input_image_resolutions:
+            _, chosen_width, chosen_height = min((abs(ratio - w / h), w, h) for w, h in self.input_image_resolutions)
+            size = (int(chosen_height // m * m), int(chosen_width // m * m))
+        else:
+            scaled_width = math.sqrt(self.input_image_area * ratio)
+            scaled_height = scaled_width / ratio
+            size = (round(scaled_height / m) * m, round(scaled_width / m) * m)  # round half to even, as the pipeline
         if min(size) == 0 or max(size) > self.max_side or size[0] % self.spatial_multiple or size[1] % self.spatial_multiple:
             raise InvalidRequestError(
                 f"an input image of {height}x{width} resizes to {size[0]}x{size[1]} at {self.family}'s input area of "
@@ -429,3 +443,32 @@ def rows_of(prompts: Sequence[str], ids: Mapping[str, torch.Tensor]) -> list[Pro
     """One PromptTokens per prompt from padded batches of token ids [len(prompts), length] per slot."""
     return [PromptTokens(text=p, token_ids={slot: t[row].to(torch.long) for slot, t in ids.items()})
             for row, p in enumerate(prompts)]
+
+
+def stack_padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[tokens_i, C] tensors -> [len(rows), max tokens_i, C], zero-padded: each prompt's input image latents."""
+    out = rows[0].new_zeros(len(rows), max(len(x) for x in rows), rows[0].shape[-1])
+    for row, x in enumerate(rows):
+        out[row, : len(x)] = x
+    return out
+
+
+def per_input_image_shapes(
+    cond: PromptEmbeds, run: Callable[[torch.Tensor | None, tuple[tuple[int, ...], ...]], torch.Tensor]
+) -> torch.Tensor:
+    """A forward of an image-conditioned family, per set of input image shapes: rows whose input images
+    differ in size have sequences of different lengths, so each set runs as ``run(rows, shapes)`` (rows
+    None when the whole batch shares it); the outputs return in row order."""
+    if cond.image_shapes is None:
+        raise ValueError("the prompt embeddings carry no input images")
+    groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for row, shapes in enumerate(cond.image_shapes.tolist()):
+        groups.setdefault(tuple(tuple(s) for s in shapes if s[0] > 0), []).append(row)
+    if len(groups) == 1:
+        return run(None, next(iter(groups)))
+    device = cond.image_shapes.device
+    outputs, order = [], []
+    for shapes, rows in groups.items():
+        outputs.append(run(torch.tensor(rows, device=device), shapes))
+        order.extend(rows)
+    return torch.cat(outputs)[torch.argsort(torch.tensor(order, device=device))]

@@ -105,22 +105,33 @@ class FluxPolicy(ClipT5Tokenizers, PackedLatentPolicy):
     def predict(
         self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
     ) -> torch.Tensor:
+        return self._transformer(latents, sigma, cond, self._token_ids(height, width, latents.device))
+
+    def _token_ids(self, height: int, width: int, device: torch.device, *, image: int = 0) -> torch.Tensor:
+        """[tokens, 3] rotary position ids of an image's packed latents: (image, row, column); the generated
+        image is image 0 (Kontext's input image: 1)."""
+        side = self.spatial_multiple
+        ids = self.pipeline._prepare_latent_image_ids(1, height // side, width // side, device, self.dtype)
+        ids[..., 0] = image
+        return ids
+
+    def _transformer(self, hidden: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds,
+                     img_ids: torch.Tensor) -> torch.Tensor:
+        """One forward over `hidden` [B, tokens, C] (the latents, and any input image's after them)."""
         if cond.pooled is None:
             raise ValueError("Flux needs pooled CLIP embeddings (PromptEmbeds.pooled)")
         pipe = self.pipeline
-        batch = latents.shape[0]
-        side = self.spatial_multiple
-        img_ids = pipe._prepare_latent_image_ids(batch, height // side, width // side, latents.device, self.dtype)
-        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=latents.device, dtype=self.dtype)
+        batch = hidden.shape[0]
+        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=hidden.device, dtype=self.dtype)
         # The stock loop passes the scheduler's timestep (sigma * 1000, float32) in the latents' dtype,
         # divided by 1000; the same rounding keeps noise 0 equal to it.
-        timestep = (sigma.to(device=latents.device, dtype=torch.float32)
+        timestep = (sigma.to(device=hidden.device, dtype=torch.float32)
                     * pipe.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
         guidance = None
         if pipe.transformer.config.guidance_embeds:
-            guidance = torch.full((batch,), self.distilled_guidance, device=latents.device, dtype=torch.float32)
+            guidance = torch.full((batch,), self.distilled_guidance, device=hidden.device, dtype=torch.float32)
         return pipe.transformer(
-            hidden_states=latents.to(self.dtype),
+            hidden_states=hidden.to(self.dtype),
             timestep=timestep,
             guidance=guidance,
             pooled_projections=cond.pooled.to(self.dtype),

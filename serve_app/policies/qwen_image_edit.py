@@ -27,10 +27,10 @@ from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from serve_app.media import to_pil
-from serve_app.policies.base import TextProcessor
+from serve_app.models.tokenizer_cache import load_tokenizer
+from serve_app.policies.base import TextProcessor, per_input_image_shapes, stack_padded
 from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
-from serve_app.models.tokenizer_cache import load_tokenizer
 
 # QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
 EDIT_PROMPT_TEMPLATE = (
@@ -114,10 +114,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
         latents = [torch.cat([self.encode_images(image[None].float() / 255.0)[0] for image in p.images]) for p in prompts]
         shapes = torch.tensor([[(1, image.shape[-2] // self.spatial_multiple, image.shape[-1] // self.spatial_multiple)
                                 for image in p.images] for p in prompts], dtype=torch.long)
-        image_latents = hidden.new_zeros(len(prompts), max(len(x) for x in latents), latents[0].shape[-1])
-        for row, x in enumerate(latents):
-            image_latents[row, : len(x)] = x
-        return PromptEmbeds(embeds.to(self.dtype), mask, image_latents=image_latents.to(self.dtype),
+        return PromptEmbeds(embeds.to(self.dtype), mask, image_latents=stack_padded(latents).to(self.dtype),
                             image_shapes=shapes.to(self.device))
 
     def embed_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
@@ -131,30 +128,24 @@ class QwenImageEditPolicy(QwenImagePolicy):
         if cond.image_latents is None or cond.image_shapes is None:
             raise ValueError(f"{self.family} conditions on input images; the prompt embeddings carry none")
         grid = (1, height // self.spatial_multiple, width // self.spatial_multiple)
-        groups: dict[tuple, list[int]] = {}
-        for row, shapes in enumerate(cond.image_shapes.tolist()):
-            groups.setdefault(tuple(tuple(s) for s in shapes if s[0] > 0), []).append(row)
-        outputs, order = [], []
-        for shapes, rows in groups.items():
-            index = torch.tensor(rows, device=latents.device)
-            whole = len(groups) == 1
+        image_latents = cond.image_latents
+
+        def run(rows: torch.Tensor | None, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return t if rows is None else t[rows]
+
             tokens = sum(f * h * w for f, h, w in shapes)
-            text, text_mask = (cond.embeds, cond.mask) if whole else (cond.embeds[index], cond.mask[index])
-            noisy = latents if whole else latents[index]
-            out = self.pipeline.transformer(
-                hidden_states=torch.cat([noisy, (cond.image_latents if whole else cond.image_latents[index])[:, :tokens]
-                                         .to(noisy.dtype)], dim=1).to(self.dtype),
-                timestep=(sigma if whole else sigma[index]).to(device=latents.device, dtype=self.dtype),
-                encoder_hidden_states=text.to(self.dtype),
+            noisy, text_mask = pick(latents), pick(cond.mask)
+            return self.pipeline.transformer(
+                hidden_states=torch.cat([noisy, pick(image_latents)[:, :tokens].to(noisy.dtype)], dim=1).to(self.dtype),
+                timestep=pick(sigma).to(device=latents.device, dtype=self.dtype),
+                encoder_hidden_states=pick(cond.embeds).to(self.dtype),
                 encoder_hidden_states_mask=None if bool(text_mask.all()) else text_mask,
-                img_shapes=[[grid, *shapes]] * len(rows),
+                img_shapes=[[grid, *shapes]] * len(noisy),
                 return_dict=False,
-            )[0]
-            outputs.append(out[:, : latents.shape[1]])
-            order.extend(rows)
-        if len(groups) == 1:
-            return outputs[0]
-        return torch.cat(outputs)[torch.argsort(torch.tensor(order, device=latents.device))]
+            )[0][:, : latents.shape[1]]
+
+        return per_input_image_shapes(cond, run)
 
     def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor, *,
                    images: Sequence[torch.Tensor] = ()) -> torch.Tensor:

@@ -29,6 +29,7 @@ CHECKPOINTS = {
     "tiny-qwen-image-edit": "qwen_image_edit",
     "tiny-sd3": "sd3",
     "tiny-flux": "flux",
+    "tiny-flux-kontext": "flux_kontext",
     "tiny-wan": "wan",
     "tiny-wan22": "wan",
     "tiny-wan22-ti2v": "wan",
@@ -39,7 +40,7 @@ FAMILY_SAMPLING = {"wan": {"num_frames": 5}}
 
 
 # Settings of a family's policy that its embedded checkpoint's config states (configs/model/*.yaml).
-FAMILY_POLICY = {"qwen_image_edit": {"input_image_area": 32 * 32}}
+FAMILY_POLICY = {"qwen_image_edit": {"input_image_area": 32 * 32}, "flux_kontext": {"input_image_area": 32 * 32}}
 
 
 def _input_image(index: int) -> torch.Tensor:
@@ -50,6 +51,7 @@ def _input_image(index: int) -> torch.Tensor:
 # What a family's request carries beside its prompts: image-conditioned families get one input image a prompt.
 FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
     "qwen_image_edit": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
+    "flux_kontext": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
 }
 
 

@@ -133,3 +133,28 @@ def test_text_families_take_no_images_and_input_images_count_in_the_work_budget(
     with pytest.raises(InvalidRequestError, match="aspect ratio") as info:
         planner.input_images(RolloutRequest(prompts=["a"], group_size=1, images=[[_image(0, 8, 64)]]))
     assert info.value.field == "images[0][0]"
+
+
+def test_flux_kontext_conditions_each_group_on_its_image_and_replays_at_ratio_one(start_local_app):
+    from serve_app.config import load_config
+    from serve_app.policies import load_configured_policy
+    from serve_app.serving.engine_contract import replay_verdict
+
+    overrides = ["model=tiny_flux_kontext", "sampling.num_steps=3", "sampling.sde_window_range=[0,1]",
+                 "ingress.chunk_size=2"]
+    handle = start_local_app("diffusion_rollout", overrides, name="flowgrpo-kontext-local")
+    prompts = ["make it red", "add a circle"]
+    batch = handle.rollout.remote(RolloutRequest(prompts=prompts, group_size=3, seed=1,
+                                                 images=[[_image(0)], [_image(1)]])).result().fetch(images=True)
+    t = batch.trajectory
+    assert t.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and t.images.shape == (6, 3, 32, 32)
+    # 24 x 40 px keeps its size (Kontext's nearest resolution at the 32 x 32 px area): 3 x 5 packed latent tokens.
+    assert t.prompt_embeds.image_latents.shape == (2, 15, 16)
+    assert t.prompt_embeds.image_shapes.tolist() == [[[1, 3, 5]], [[1, 3, 5]]]
+    other = handle.rollout.remote(RolloutRequest(prompts=prompts, group_size=3, seed=1,
+                                                 images=[[_image(7)], [_image(1)]])).result().transitions
+    assert float((other.latents[:3, -1] - t.latents[:3, -1]).abs().max()) > 1e-3
+    torch.testing.assert_close(other.latents[3:], t.latents[3:], atol=1e-5, rtol=0)
+    policy = load_configured_policy(load_config("diffusion_rollout", ["model=tiny_flux_kontext"]).model)
+    verdict = replay_verdict(policy, batch.transitions)
+    assert verdict.ok, verdict.message
