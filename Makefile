@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# Everything: unit tests, local-mode graphs, learning runs, real clusters, benchmark smoke runs.
+# Everything: unit tests, local-mode graphs, learning runs, real clusters, benchmark smoke runs. Two
+# workers: the tests that start Ray run in order on one (tests/conftest.py), everything else on both.
 test: venv
-	$(PY) -m pytest -q --durations=10 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 tests
 
 # The quick loop: plain classes and Serve's local testing mode, no cluster, no learning runs.
 test-fast: venv

@@ -16,7 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def flowgrpo_home(tmp_path_factory):
     """A FLOWGRPO_HOME for the whole session (embedded models build once, ~15 s)."""
-    home = os.environ.get("FLOWGRPO_TEST_HOME") or str(tmp_path_factory.mktemp("flowgrpo_home"))
+    home = os.environ.get("FLOWGRPO_TEST_HOME")
+    if not home and os.environ.get("PYTEST_XDIST_WORKER"):
+        # One home for every worker of the run (their base temps are siblings); builds take a file lock.
+        home = str(tmp_path_factory.getbasetemp().parent / "flowgrpo_home")
+    home = home or str(tmp_path_factory.mktemp("flowgrpo_home"))
     os.environ["FLOWGRPO_HOME"] = home
     return home
 
@@ -165,8 +169,17 @@ def _run_shared_cluster_modules_first(items) -> None:
 
 def pytest_collection_modifyitems(config, items):
     """Modules sharing `ray_cluster` run first; `gpu` tests need a CUDA device: skipped, with the reason,
-    on machines without one."""
+    on machines without one.
+
+    `make test` runs two xdist workers. Every test that starts Ray in the test process or with `ray start`
+    runs on one of them, in this order (the shared cluster first, then the clusters that need Ray
+    uninitialized in the process); everything else runs beside them, including the benchmark scripts,
+    whose clusters are their own subprocesses' (`address="local"`, free ports)."""
     _run_shared_cluster_modules_first(items)
+    for item in items:
+        starts_ray = "cluster" in item.keywords or "ray_cluster" in getattr(item, "fixturenames", ())
+        if starts_ray and item.path.parent.name != "benchmarks":
+            item.add_marker(pytest.mark.xdist_group("ray"))
     import torch
 
     if torch.cuda.is_available():
