@@ -105,9 +105,13 @@ def summarize(repeats: list[list[dict]], split: str) -> dict:
         "strict_change_points": _spread([100 * f["strict_accuracy_change"] for f in finals]),
         "strict_change_interval_points": [[100 * f["strict_accuracy_change_lo"], 100 * f["strict_accuracy_change_hi"]]
                                           for f in finals],
+        # Over prompts: whole prompts resampled with all their seeds (what a claim about unseen prompts needs).
+        "strict_change_prompt_interval_points": [[100 * f["strict_accuracy_change_prompt_lo"],
+                                                  100 * f["strict_accuracy_change_prompt_hi"]] for f in finals],
         # Distinguishable from zero: the final paired 95% interval excludes 0.
         "repeats_above_zero": sum(f["strict_accuracy_change_lo"] > 0 for f in finals),
         "repeats_below_zero": sum(f["strict_accuracy_change_hi"] < 0 for f in finals),
+        "repeats_above_zero_over_prompts": sum(f["strict_accuracy_change_prompt_lo"] > 0 for f in finals),
         "best_strict_change_points": _spread([100 * (max(x["strict_accuracy"] for x in c) - c[0]["strict_accuracy"])
                                               for c in curves]),
         "minutes_to_plus_10": _spread([_first_reaching(c, 0.10, "train_minutes") for c in curves]),
