@@ -1,12 +1,12 @@
-"""Tokenizers loaded once per process and folder.
+"""Tokenizers loaded once per process and content.
 
 transformers 5 reads a fast tokenizer's ``tokenizer.json`` back into Python and rebuilds the Rust
 model from it: about 0.8 s for the 151k-token Qwen2 vocabulary, paid by every pipeline load, text
 processor and model build that names the same tokenizer. Here the first load of a folder's content
 is kept (keyed by a hash of its files: the slots of a checkpoint and the checkpoints built from one
-vocabulary share an entry, and a rewritten folder loads afresh) and each caller gets a shallow copy: Python attributes such as ``model_max_length`` are the
-copy's own, the Rust backend is shared, which is why ``TextProcessor`` serializes encoding with one
-lock per process rather than one per processor.
+vocabulary share an entry, and a rewritten folder loads afresh) and each caller gets a shallow copy:
+Python attributes such as ``model_max_length`` are the copy's own, the Rust backend is shared, which is
+why ``TextProcessor`` serializes encoding with one lock per process rather than one per processor.
 """
 
 from __future__ import annotations
