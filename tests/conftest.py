@@ -167,19 +167,23 @@ def _run_shared_cluster_modules_first(items) -> None:
                     + [item for item in items if item.path not in users])
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the xdist_group marks added here into scopes
 def pytest_collection_modifyitems(config, items):
     """Modules sharing `ray_cluster` run first; `gpu` tests need a CUDA device: skipped, with the reason,
     on machines without one.
 
-    `make test` runs two xdist workers. Every test that starts Ray in the test process or with `ray start`
-    runs on one of them, in this order (the shared cluster first, then the clusters that need Ray
-    uninitialized in the process); everything else runs beside them, including the benchmark scripts,
-    whose clusters are their own subprocesses' (`address="local"`, free ports)."""
+    `make test` runs two xdist workers (`--dist loadgroup`). Every module that starts Ray is one unit of
+    work, so its module-scoped cluster or app starts once, on one worker: the modules sharing `ray_cluster`
+    together as one unit, in the order above, and each module that starts a cluster of its own (multi-node,
+    `ray start`, Ray Train) as a unit of its own. The two workers run such units side by side: each cluster
+    has its own temp dir and free ports (`address="local"` for the shared one). Everything else, including
+    the benchmark scripts (their clusters are their subprocesses'), is spread test by test."""
     _run_shared_cluster_modules_first(items)
     for item in items:
-        starts_ray = "cluster" in item.keywords or "ray_cluster" in getattr(item, "fixturenames", ())
-        if starts_ray and item.path.parent.name != "benchmarks":
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        if item.path in _shared["modules"]:
+            item.add_marker(pytest.mark.xdist_group("ray-shared"))
+        elif "cluster" in item.keywords and item.path.parent.name != "benchmarks":
+            item.add_marker(pytest.mark.xdist_group(f"ray-{item.path.stem}"))
     import torch
 
     if torch.cuda.is_available():
@@ -188,3 +192,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup`, fail at once if the groups above did not become xdist's scopes (xdist
+    3.8 marks a grouped test by a suffix on its node id, which pytest 9.2 no longer reads): the Ray
+    modules would then be spread test by test, each worker starting every module's cluster again."""
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist workers only
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"xdist did not group {len(lost)} tests (e.g. {lost[0]}): "
+                                "check the pytest / pytest-xdist versions pinned in pyproject.toml")

@@ -299,11 +299,19 @@ class _Recorder:
         return batch
 
 
-def _cpu_seconds(pid: int) -> float:
-    import psutil
+def _replica_actor(replica_name: str):
+    import ray
 
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    namespace = next(e["namespace"] for e in ray.util.list_named_actors(all_namespaces=True) if e["name"] == replica_name)
+    return ray.get_actor(replica_name, namespace=namespace)
+
+
+def _ongoing_requests(replica) -> int:
+    """What a replica counts as in its hands (Serve's ReplicaActor answers this on a thread of its own, so
+    it answers while the replica computes)."""
+    import ray
+
+    return ray.get(replica.get_num_ongoing_requests.remote(), timeout=10)
 
 
 @pytest.mark.cluster
@@ -312,14 +320,16 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
     from serve_app.client import RolloutClient
 
     a, b = multinode.cluster.worker_nodes
-    (victim_pid,) = [pid for node, pid in _wait_for_replicas_on({a.node_id, b.node_id}).values() if node == a.node_id]
+    ((victim, victim_pid),) = [(name, pid) for name, (node, pid) in _wait_for_replicas_on({a.node_id, b.node_id}).items()
+                               if node == a.node_id]
     spare = multinode.add_node()
     recorder = _Recorder(RolloutClient(APP, retry=RetryPolicy(attempts=2, backoff_s=2.0, max_backoff_s=2.0)))
     trainer = _trainer(tmp_path, recorder)
     rows = [trainer.train_step()]  # undisturbed; publishes the next version
 
-    # The next step's rollout runs while node A goes: once A's replica is computing a chunk, freeze it
-    # (the chunk is then certainly lost with the node, not finished a moment before) and remove the node.
+    # The next step's rollout runs while node A goes: once A's replica holds a chunk, freeze it (the chunk
+    # is then certainly lost with the node, not finished a moment before) and remove the node. The replica's
+    # own count, not its CPU time: an idle replica's health checks and metrics use CPU too.
     result: dict[str, Any] = {}
 
     def disturbed_step() -> None:
@@ -329,12 +339,12 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
             result["error"] = exc
 
     step = threading.Thread(target=disturbed_step, daemon=True)
-    busy_from = _cpu_seconds(victim_pid)
+    victim_replica = _replica_actor(victim)
+    assert _ongoing_requests(victim_replica) == 0
     step.start()
     deadline = time.monotonic() + 60
-    while _cpu_seconds(victim_pid) - busy_from < 0.02:
+    while _ongoing_requests(victim_replica) == 0:
         assert step.is_alive() and time.monotonic() < deadline, "node A's replica never started on the rollout"
-        time.sleep(0.002)
     os.kill(victim_pid, signal.SIGSTOP)
     try:
         multinode.cluster.remove_node(a)
