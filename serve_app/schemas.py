@@ -254,11 +254,13 @@ def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
 class PromptTokens:
     """One prompt after the ingress: its text, per tokenizer of the family 1-D token ids, and its input
     images (uint8 [3, h, w] each, already resized to the size the family conditions on; none for a
-    text-to-image family)."""
+    text-to-image family). `condition_images`: the text encoder's own copies of `images`, resized from the
+    images as sent, for a family that keeps one (Qwen-Image-Edit-Plus); empty otherwise."""
 
     text: str
     token_ids: dict[str, torch.Tensor]
     images: list[torch.Tensor] = field(default_factory=list)
+    condition_images: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass

@@ -326,3 +326,15 @@ def test_health_check_runs_a_forward_and_fails_on_a_broken_replica(own_policy, t
         with torch.no_grad():
             weight.copy_(saved)
     engine.check_health()
+
+
+@pytest.mark.parametrize("config", ["tiny_qwen_image_edit", "tiny_qwen_image_edit_plus", "tiny_flux_kontext"])
+def test_the_health_probe_of_an_image_conditioned_family_conditions_on_gray_input_images(config, tmp_path):
+    """The probe encodes the fewest input images the family takes (and, for Edit-Plus, their encoder copies)."""
+    from serve_app.config import load_config
+    from serve_app.policies import load_configured_policy
+
+    policy = load_configured_policy(load_config("diffusion_rollout", [f"model={config}"]).model)
+    engine = DiffusersEngine(policy, WeightStore(tmp_path / "weights"))
+    engine.check_health()
+    assert engine._probe_conditioning is not None and engine._probe_conditioning.has_images

@@ -34,13 +34,13 @@ class Section(BaseModel):
 # Families whose pipelines sample videos [B, F, 3, H, W]; the others sample images [B, 3, H, W].
 VIDEO_FAMILIES = ("wan",)
 # Families whose requests carry input images (a request's `images`, one list per prompt).
-IMAGE_CONDITIONED_FAMILIES = ("qwen_image_edit", "flux_kontext")
+IMAGE_CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus", "flux_kontext")
 
 
 class ModelConfig(Section):
     """Which diffusion model the replicas load."""
 
-    family: Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "flux_kontext", "wan"] = Field(
+    family: Literal["qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3", "flux", "flux_kontext", "wan"] = Field(
         "qwen_image", description="Model family (selects the policy adapter)."
     )
     path: str | None = Field(
@@ -65,10 +65,15 @@ class ModelConfig(Section):
     )
     input_image_area: int | None = Field(
         None, ge=1,
-        description="Image-conditioned families (qwen_image_edit, flux_kontext): the pixels each input image is "
+        description="Image-conditioned families (qwen_image_edit[_plus], flux_kontext): the pixels each input image is "
         "resized to, its aspect ratio kept and each side rounded to a multiple of 32 (flux_kontext: the nearest of "
         "Kontext's preferred resolutions scaled to this area, sides floored to the VAE factor x 2); None keeps the "
         "pipeline's own (1024 x 1024). Text-to-image families take none.",
+    )
+    condition_image_area: int | None = Field(
+        None, ge=1,
+        description="qwen_image_edit_plus: the pixels of the vision-language encoder's own copy of each input image "
+        "(resized from the image as sent, the same rule as input_image_area); None keeps the pipeline's 384 x 384.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when the replica has a GPU.")
     compile: bool = Field(
@@ -89,6 +94,9 @@ class ModelConfig(Section):
         if self.input_image_area is not None and self.family not in IMAGE_CONDITIONED_FAMILIES:
             raise ValueError(f"input_image_area is for image-conditioned families "
                              f"({', '.join(IMAGE_CONDITIONED_FAMILIES)}); {self.family!r} takes no input images")
+        if self.condition_image_area is not None and self.family != "qwen_image_edit_plus":
+            raise ValueError(f"condition_image_area is for qwen_image_edit_plus; {self.family!r} keeps no encoder copy "
+                             "of its input images")
         return self
 
 

@@ -293,7 +293,8 @@ def encode_conditioning(
     negatives: list[PromptTokens] = []
     if use_cfg and negative is not None:
         with_images = any(p.images for p in prompts)
-        negatives = ([replace(negative, images=p.images) for p in prompts] if with_images else [negative])
+        negatives = ([replace(negative, images=p.images, condition_images=p.condition_images) for p in prompts]
+                     if with_images else [negative])
     return Conditioning(
         policy.encode_prompts(prompts),
         embed_row.to(torch.long),

@@ -32,7 +32,7 @@ __all__ = [
 # are not reused.
 BUILD_VERSION = "v1"
 
-ModelFamily = Literal["qwen_image", "qwen_image_edit", "sd3", "flux", "flux_kontext", "wan"]
+ModelFamily = Literal["qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3", "flux", "flux_kontext", "wan"]
 
 
 class Builder(Protocol):
@@ -66,6 +66,12 @@ def _tiny_qwen_image_edit(out_dir: Path, *, tokenizer_dir: Path) -> Path:
     from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
 
     return build_tiny_qwen_image_edit(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def _tiny_qwen_image_edit_plus(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+    from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
+
+    return build_tiny_qwen_image_edit(out_dir, seed=0, tokenizer_dir=tokenizer_dir, plus=True)
 
 
 def _tiny_sd3(out_dir: Path, *, tokenizer_dir: Path) -> Path:
@@ -114,6 +120,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "tiny-qwen-image": EmbeddedModel("qwen_image", build=_tiny_qwen_image),
     "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
     "tiny-qwen-image-edit": EmbeddedModel("qwen_image_edit", build=_tiny_qwen_image_edit),
+    "tiny-qwen-image-edit-plus": EmbeddedModel("qwen_image_edit_plus", build=_tiny_qwen_image_edit_plus),
     "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
     "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
     "tiny-flux-kontext": EmbeddedModel("flux_kontext", build=_tiny_flux_kontext),

@@ -1,4 +1,5 @@
-"""A randomly initialised miniature of Qwen-Image-Edit: the stock ``diffusers.QwenImageEditPipeline`` over
+"""A randomly initialised miniature of Qwen-Image-Edit: the stock ``diffusers.QwenImageEditPipeline`` (or
+``QwenImageEditPlusPipeline``, the same parts saved under the Plus class) over
 the tiny Qwen-Image parts, with a vision tower and a Qwen2-VL processor small enough for CPU tests.
 
 The transformer, VAE and scheduler are tiny Qwen-Image's (:mod:`serve_app.models.tiny_qwen_image`); the
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
@@ -52,20 +53,23 @@ def _text_encoder() -> torch.nn.Module:
     )
 
 
-def qwen_image_edit_pipeline(*, tokenizer: Any, seed: int = 0) -> QwenImageEditPipeline:
-    """A random-weight tiny ``QwenImageEditPipeline`` in float32, in memory; bit-reproducible for a `seed`."""
+def qwen_image_edit_pipeline(*, tokenizer: Any, seed: int = 0, plus: bool = False) -> QwenImageEditPipeline:
+    """A random-weight tiny ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``, the same parts)
+    in float32, in memory; bit-reproducible for a `seed`."""
     spec = _SPECS["tiny"]
     components = seeded_components(
         [("transformer", lambda: _transformer(spec), seed), ("vae", lambda: _vae(spec), seed),
          ("text_encoder", _text_encoder, seed)], torch.float32)
     with torch.device("cpu"):
         scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
-    return QwenImageEditPipeline(scheduler=scheduler, tokenizer=tokenizer, processor=tiny_vl_processor(tokenizer),
-                                 **components)
+    pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    return pipeline_class(scheduler=scheduler, tokenizer=tokenizer, processor=tiny_vl_processor(tokenizer), **components)
 
 
-def build_tiny_qwen_image_edit(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Builds the tiny ``QwenImageEditPipeline`` on the CPU and saves it (float32 safetensors) to ``out_dir``.
+def build_tiny_qwen_image_edit(out_dir: Path, *, seed: int = 0, tokenizer_dir: Path | None = None,
+                               plus: bool = False) -> Path:
+    """Builds the tiny ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``) on the CPU and saves
+    it (float32 safetensors) to ``out_dir``.
 
     model_index.json names the processor ``transformers.Qwen2VLProcessor``, as a released checkout does
     (the policy loads it as :class:`Qwen2VLImageOnlyProcessor`, which needs no torchvision).
@@ -73,7 +77,7 @@ def build_tiny_qwen_image_edit(out_dir: Path, *, seed: int = 0, tokenizer_dir: P
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
         tokenizer = load_tokenizer(tokenizer_dir)
         with torch.device("cpu"):
-            pipe = qwen_image_edit_pipeline(tokenizer=tokenizer, seed=seed)
+            pipe = qwen_image_edit_pipeline(tokenizer=tokenizer, seed=seed, plus=plus)
         out = save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer", "processor"])
     index_file = out / "model_index.json"
     index = json.loads(index_file.read_text())

@@ -28,7 +28,7 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SUPPORTED_FAMILIES = ("qwen_image", "qwen_image_edit", "sd3", "flux", "flux_kontext", "wan")
+SUPPORTED_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3", "flux", "flux_kontext", "wan")
 
 
 def policy_class(family: str) -> type[DiffusionPolicy]:
@@ -41,6 +41,10 @@ def policy_class(family: str) -> type[DiffusionPolicy]:
         from serve_app.policies.qwen_image_edit import QwenImageEditPolicy
 
         return QwenImageEditPolicy
+    if family == "qwen_image_edit_plus":
+        from serve_app.policies.qwen_image_edit_plus import QwenImageEditPlusPolicy
+
+        return QwenImageEditPlusPolicy
     if family == "sd3":
         from serve_app.policies.sd3 import SD3Policy
 
@@ -132,4 +136,6 @@ def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
         policy.distilled_guidance = model.distilled_guidance  # type: ignore[attr-defined]
     if model.input_image_area is not None:
         policy.input_image_area = model.input_image_area
+    if model.condition_image_area is not None:
+        policy.condition_image_area = model.condition_image_area
     return policy

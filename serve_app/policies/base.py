@@ -88,6 +88,9 @@ class ImageGeometry:
     # (width, height) sizes at input_image_area: an input image takes the one nearest its aspect ratio, each side
     # floored to input_image_multiple (FLUX.1 Kontext's preferred resolutions); empty: the area rule above.
     input_image_resolutions: tuple[tuple[float, float], ...] = ()
+    # Pixels of the vision-language encoder's own copy of each input image, resized from the image as sent by
+    # the area rule (Qwen-Image-Edit-Plus: 384 x 384, beside 1024 x 1024 for the VAE); 0: no separate copy.
+    condition_image_area: int = 0
     experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
 
     def check_guidance(self, guidance_scale_2: float | None) -> None:
@@ -162,9 +165,7 @@ class ImageGeometry:
             _, chosen_width, chosen_height = min((abs(ratio - w / h), w, h) for w, h in self.input_image_resolutions)
             size = (int(chosen_height // m * m), int(chosen_width // m * m))
         else:
-            scaled_width = math.sqrt(self.input_image_area * ratio)
-            scaled_height = scaled_width / ratio
-            size = (round(scaled_height / m) * m, round(scaled_width / m) * m)  # round half to even, as the pipeline
+            size = self._at_area(self.input_image_area, ratio)
         if min(size) == 0 or max(size) > self.max_side or size[0] % self.spatial_multiple or size[1] % self.spatial_multiple:
             raise InvalidRequestError(
                 f"an input image of {height}x{width} resizes to {size[0]}x{size[1]} at {self.family}'s input area of "
@@ -174,9 +175,27 @@ class ImageGeometry:
             )
         return size
 
+    def _at_area(self, area: int, ratio: float) -> tuple[int, int]:
+        scaled_width = math.sqrt(area * ratio)
+        scaled_height = scaled_width / ratio
+        m = self.input_image_multiple
+        return round(scaled_height / m) * m, round(scaled_width / m) * m  # round half to even, as the pipeline
+
     def resize_input_image(self, image: torch.Tensor, field: str = "images") -> torch.Tensor:
         """uint8 [3, H, W] -> uint8 [3, h, w] at :meth:`input_image_size` (Lanczos, as the pipeline resizes)."""
         height, width = self.input_image_size(int(image.shape[-2]), int(image.shape[-1]), field)
+        return resize_image(image, height, width)
+
+    def resize_condition_image(self, image: torch.Tensor, field: str = "images") -> torch.Tensor:
+        """uint8 [3, H, W] as sent -> the encoder's copy at `condition_image_area` (Lanczos), for a family that
+        has one (:attr:`condition_image_area`). InvalidRequestError naming `field` if a side rounds to 0."""
+        height, width = self._at_area(self.condition_image_area, int(image.shape[-1]) / int(image.shape[-2]))
+        if min(height, width) == 0:
+            raise InvalidRequestError(
+                f"an input image of {image.shape[-2]}x{image.shape[-1]} resizes to {height}x{width} at "
+                f"{self.family}'s encoder input area of {self.condition_image_area} px; use a less extreme aspect ratio",
+                field,
+            )
         return resize_image(image, height, width)
 
     def input_tokens(self, height: int, width: int) -> int:
@@ -210,6 +229,7 @@ class DiffusionPolicy(abc.ABC):
     cfg_renormalize: ClassVar[bool]
     input_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) input images per prompt; text only: none
     input_image_area: int = 0  # image-conditioned families: pixels an input image is resized to
+    condition_image_area: int = 0  # ... and the area of the encoder's own copy, for a family that has one
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
         self.pipeline = pipeline
@@ -328,7 +348,7 @@ class DiffusionPolicy(abc.ABC):
         return ImageGeometry(self.family, self.spatial_multiple, self.max_tokens_per_axis * self.spatial_multiple,
                              self.temporal_factor, self.max_frames, self.temporal_patch,
                              input_images=self.input_images, input_image_area=self.input_image_area,
-                             experts=len(self.experts))
+                             condition_image_area=self.condition_image_area, experts=len(self.experts))
 
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None:
         self.geometry.check(height, width, num_frames)

@@ -95,11 +95,12 @@ class QwenImageEditPolicy(QwenImagePolicy):
         for i, p in enumerate(prompts):
             self.geometry.check_input_image_count(len(p.images), f"prompts[{i}].images")
         # 2. Vision inputs of every image, and each prompt's ids with its image pads expanded
-        images = [to_pil(image) for p in prompts for image in p.images]
+        images = [to_pil(image) for i, p in enumerate(prompts) for image in self._vision_images(p, i)]
         processor = self.pipeline.processor
         vision = processor.image_processor(images=images, return_tensors="pt")
         vision_tokens = (vision["image_grid_thw"].prod(dim=-1) // processor.image_processor.merge_size**2).tolist()
-        ids = _expand_image_pads(prompts, processor.image_token_id, vision_tokens)
+        ids = _expand_image_pads([self._template_ids(p) for p in prompts], [len(p.images) for p in prompts],
+                                 processor.image_token_id, vision_tokens)
         lengths = torch.tensor([len(x) for x in ids])
         if int(lengths.min()) <= EDIT_TEMPLATE_PREFIX_TOKENS:
             raise ValueError("token ids must include the Qwen-Image-Edit prompt template (use the family's TextProcessor)")
@@ -112,13 +113,23 @@ class QwenImageEditPolicy(QwenImagePolicy):
         embeds, mask = without_prefix(hidden, lengths, EDIT_TEMPLATE_PREFIX_TOKENS)
         # 4. Each prompt's image latents (one VAE call per image: the images' sizes differ)
         latents = [torch.cat([self.encode_images(image[None].float() / 255.0)[0] for image in p.images]) for p in prompts]
-        shapes = torch.tensor([[(1, image.shape[-2] // self.spatial_multiple, image.shape[-1] // self.spatial_multiple)
-                                for image in p.images] for p in prompts], dtype=torch.long)
+        # [P, most images, 3]: a prompt with fewer images than another is padded with (0, 0, 0) shapes.
+        shapes = stack_padded([torch.tensor([(1, image.shape[-2] // self.spatial_multiple,
+                                              image.shape[-1] // self.spatial_multiple) for image in p.images],
+                                            dtype=torch.long) for p in prompts])
         return PromptEmbeds(embeds.to(self.dtype), mask, image_latents=stack_padded(latents).to(self.dtype),
                             image_shapes=shapes.to(self.device))
 
+    def _vision_images(self, prompt: PromptTokens, index: int) -> list[torch.Tensor]:
+        """The images the VL encoder sees for a prompt: the ones its VAE latents come from."""
+        return prompt.images
+
+    def _template_ids(self, prompt: PromptTokens) -> torch.Tensor:
+        """The prompt's ids in the full template, one ``<|image_pad|>`` per input image."""
+        return prompt.token_ids["tokenizer"].to(torch.long)
+
     def embed_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
-        raise NotImplementedError("qwen_image_edit does not train its text encoder")
+        raise NotImplementedError(f"{self.family} does not train its text encoder")
 
     def predict(
         self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
@@ -177,18 +188,19 @@ class QwenImageEditPolicy(QwenImagePolicy):
                 pipeline_qwenimage_edit.calculate_dimensions = stock
 
 
-def _expand_image_pads(prompts: Sequence[PromptTokens], pad_id: int, vision_tokens: list[int]) -> list[torch.Tensor]:
+def _expand_image_pads(ids: Sequence[torch.Tensor], images: Sequence[int], pad_id: int,
+                       vision_tokens: list[int]) -> list[torch.Tensor]:
     """Each prompt's token ids with its k-th ``<|image_pad|>`` repeated as many times as its k-th image has
-    vision tokens (images counted across the prompts in order), as the processor expands them."""
+    vision tokens (images counted across the prompts in order), as the processor expands them; `images`:
+    each prompt's input image count."""
     expanded, image = [], 0
-    for i, p in enumerate(prompts):
-        ids = p.token_ids["tokenizer"].to(torch.long)
-        at = (ids == pad_id).nonzero().flatten().tolist()
-        if len(at) != len(p.images):
-            raise ValueError(f"prompts[{i}] has {len(at)} {IMAGE_PAD} tokens for {len(p.images)} input images")
+    for i, (prompt_ids, count) in enumerate(zip(ids, images)):
+        at = (prompt_ids == pad_id).nonzero().flatten().tolist()
+        if len(at) != count:
+            raise ValueError(f"prompts[{i}] has {len(at)} {IMAGE_PAD} tokens for {count} input images")
         pieces, start = [], 0
         for position in at:
-            pieces += [ids[start:position], ids.new_full((vision_tokens[image],), pad_id)]
+            pieces += [prompt_ids[start:position], prompt_ids.new_full((vision_tokens[image],), pad_id)]
             start, image = position + 1, image + 1
-        expanded.append(torch.cat([*pieces, ids[start:]]))
+        expanded.append(torch.cat([*pieces, prompt_ids[start:]]))
     return expanded

@@ -112,8 +112,9 @@ class DiffusersEngine:
             # An image-conditioned family needs its fewest input images: gray ones, at a square image's size.
             fewest = policy.geometry.input_images[0]
             if fewest:
-                gray = policy.geometry.resize_input_image(torch.full((3, side, side), 128, dtype=torch.uint8))
-                tokens = replace(tokens, images=[gray] * fewest)
+                geometry, gray = policy.geometry, torch.full((3, side, side), 128, dtype=torch.uint8)
+                condition = [geometry.resize_condition_image(gray)] * fewest if geometry.condition_image_area else []
+                tokens = replace(tokens, images=[geometry.resize_input_image(gray)] * fewest, condition_images=condition)
             self._probe_conditioning = policy.encode_prompts([tokens])
         # The fewest frames the model takes: a transformer with two-frame tokens refuses one latent frame.
         shape = policy.latent_shape(side, side, policy.geometry.min_frames)

@@ -111,20 +111,28 @@ class RolloutPlanner:
         """Each prompt's input images, decoded, checked and resized to the size the family conditions on
         (uint8 [3, h, w]); empty lists for a text-to-image family. Raises InvalidRequestError (422) or
         RequestTooLargeError (413) naming the image, e.g. ``images[0][0]``."""
+        return self.prompt_images(request)[0]
+
+    def prompt_images(self, request: RolloutRequest) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """(:meth:`input_images`, the text encoder's own copies of them): the copies are resized from the
+        images as sent, for a family that keeps them (``geometry.condition_image_area``); empty lists otherwise."""
         geometry = self.geometry
         if request.images is None:
             if geometry.input_images[0] > 0:
                 geometry.check_input_image_count(0, "images")
-            return [[] for _ in request.prompts]
+            return [[] for _ in request.prompts], [[] for _ in request.prompts]
         if len(request.images) != len(request.prompts):
             raise InvalidRequestError(f"needs one list of input images per prompt: {len(request.prompts)} prompts, "
                                       f"{len(request.images)} lists", "images")
-        decoded = []
+        resized, condition = [], []
         for i, row in enumerate(request.images):
             geometry.check_input_image_count(len(row), f"images[{i}]")
-            decoded.append([geometry.resize_input_image(self._input_image(image, f"images[{i}][{j}]"), f"images[{i}][{j}]")
-                            for j, image in enumerate(row)])
-        return decoded
+            fields = [f"images[{i}][{j}]" for j in range(len(row))]
+            sent = [self._input_image(image, field) for image, field in zip(row, fields)]
+            resized.append([geometry.resize_input_image(image, field) for image, field in zip(sent, fields)])
+            condition.append([geometry.resize_condition_image(image, field) for image, field in zip(sent, fields)]
+                             if geometry.condition_image_area else [])
+        return resized, condition
 
     def _input_image(self, image: str | torch.Tensor, field: str) -> torch.Tensor:
         """One input image as sent -> uint8 [3, H, W], within the configured limits."""
@@ -187,7 +195,7 @@ class RolloutPlanner:
         # 1. Check the request, merge its sampling, check its size and work, pin its version.
         self.validate(request)
         sampling = self.sampling_for(request)
-        images = self.input_images(request)
+        images, condition_images = self.prompt_images(request)
         self.check_work(request, sampling, images)
         policy_version = self.policy_version_for(request)
         request_seed = request.seed if request.seed is not None else sampling.seed
@@ -196,8 +204,9 @@ class RolloutPlanner:
         sampling = sampling.model_copy(update={"seed": request_seed})
         # 2. Tokenize each prompt once (and the negative prompt when CFG is on); a prompt's input images go
         # with its tokens, so each chunk carries them once per prompt it samples.
-        prompt_tokens = [replace(tokens, images=row)
-                         for tokens, row in zip(self.text_processor.tokenize(request.prompts), images)]
+        prompt_tokens = [replace(tokens, images=row, condition_images=condition)
+                         for tokens, row, condition in zip(self.text_processor.tokenize(request.prompts), images,
+                                                           condition_images)]
         negative = (
             self.text_processor.tokenize([sampling.negative_prompt])[0] if sampling.guidance_scale > 1.0 else None
         )

@@ -27,6 +27,7 @@ FLAGGED_ENGINES: dict[str, Callable] = {"fake_bf16": fake_bf16_engine}
 CHECKPOINTS = {
     "tiny-qwen-image": "qwen_image",
     "tiny-qwen-image-edit": "qwen_image_edit",
+    "tiny-qwen-image-edit-plus": "qwen_image_edit_plus",
     "tiny-sd3": "sd3",
     "tiny-flux": "flux",
     "tiny-flux-kontext": "flux_kontext",
@@ -40,17 +41,25 @@ FAMILY_SAMPLING = {"wan": {"num_frames": 5}}
 
 
 # Settings of a family's policy that its embedded checkpoint's config states (configs/model/*.yaml).
-FAMILY_POLICY = {"qwen_image_edit": {"input_image_area": 32 * 32}, "flux_kontext": {"input_image_area": 32 * 32}}
+FAMILY_POLICY = {
+    "qwen_image_edit": {"input_image_area": 32 * 32},
+    "qwen_image_edit_plus": {"input_image_area": 32 * 32, "condition_image_area": 32 * 32},
+    "flux_kontext": {"input_image_area": 32 * 32},
+}
 
 
-def _input_image(index: int) -> torch.Tensor:
+def _input_image(index: int, height: int = 24, width: int = 40) -> torch.Tensor:
     """A uint8 [3, 24, 40] input image (not square, so the resize to the input area matters), one per prompt."""
-    return torch.randint(0, 256, (3, 24, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(100 + index))
+    return torch.randint(0, 256, (3, height, width), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(100 + index))
 
 
-# What a family's request carries beside its prompts: image-conditioned families get one input image a prompt.
+# What a family's request carries beside its prompts: image-conditioned families get one input image a prompt,
+# Qwen-Image-Edit-Plus two (the second wider: 32 x 64 px at the input area, so a prompt's images differ in size).
 FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
     "qwen_image_edit": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
+    "qwen_image_edit_plus": lambda prompts: {"images": [[_input_image(i), _input_image(50 + i, 20, 48)]
+                                                        for i in range(prompts)]},
     "flux_kontext": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
 }
 

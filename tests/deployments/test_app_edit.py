@@ -158,3 +158,41 @@ def test_flux_kontext_conditions_each_group_on_its_image_and_replays_at_ratio_on
     policy = load_configured_policy(load_config("diffusion_rollout", ["model=tiny_flux_kontext"]).model)
     verdict = replay_verdict(policy, batch.transitions)
     assert verdict.ok, verdict.message
+
+
+def test_qwen_image_edit_plus_conditions_each_group_on_its_images_and_replays_at_ratio_one(start_local_app):
+    """Several input images a prompt (Qwen-Image-Edit-Plus): prompts with one and with two images in one
+    request, over HTTP as base64 PNGs too; every image of a prompt conditions its group."""
+    from serve_app.config import load_config
+    from serve_app.policies import load_configured_policy
+    from serve_app.serving.engine_contract import replay_verdict
+
+    overrides = ["model=tiny_qwen_image_edit_plus", "sampling.num_steps=3", "sampling.sde_window_range=[0,1]",
+                 "ingress.chunk_size=2"]
+    handle = start_local_app("diffusion_rollout", overrides, name="flowgrpo-edit-plus-local")
+    prompts = ["put the first on the second", "make it red"]
+    wide = _image(2, 20, 48)  # 32 x 64 px at the input area: 4 x 8 latent tokens
+    request = {"prompts": prompts, "group_size": 3, "seed": 1}
+    batch = handle.rollout.remote(RolloutRequest(**request, images=[[_image(0), wide], [_image(1)]])
+                                  ).result().fetch(images=True)
+    t = batch.trajectory
+    assert t.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and t.images.shape == (6, 3, 32, 32)
+    assert t.prompt_embeds.image_shapes.tolist() == [[[1, 4, 4], [1, 4, 8]], [[1, 4, 4], [0, 0, 0]]]
+    assert t.prompt_embeds.image_latents.shape == (2, 16 + 32, 16)
+    # Another second image for the first prompt: its group changes, the other prompt's does not.
+    other = handle.rollout.remote(RolloutRequest(**request, images=[[_image(0), _image(9, 20, 48)], [_image(1)]])
+                                  ).result().transitions
+    assert float((other.latents[:3, -1] - t.latents[:3, -1]).abs().max()) > 1e-3
+    torch.testing.assert_close(other.latents[3:], t.latents[3:], atol=1e-5, rtol=0)
+    # Over HTTP: a list of base64 PNGs per prompt gives the same samples.
+    first, second, other = (png_base64(image[None])[0] for image in (_image(0), wide, _image(1)))
+    body = {**request, "images": [[first, second], [other]]}
+    answer = handle.http_rollout.remote(RolloutRequest.model_validate_json(json.dumps(body))).result()
+    assert [s.log_probs for s in answer.samples] == batch.header.log_probs.tolist()
+    # Four images are one too many, named by field.
+    with pytest.raises(InvalidRequestError, match="1 to 3 input image") as info:
+        handle.rollout.remote(RolloutRequest(**request, images=[[_image(0)] * 4, [_image(1)]])).result()
+    assert info.value.field == "images[0]"
+    policy = load_configured_policy(load_config("diffusion_rollout", ["model=tiny_qwen_image_edit_plus"]).model)
+    verdict = replay_verdict(policy, batch.transitions)
+    assert verdict.ok, verdict.message

@@ -124,5 +124,5 @@ def test_unsupported_pipelines_and_families_still_list_the_supported_ones(tmp_pa
     with pytest.raises(ValueError, match="CogVideoXPipeline") as info:
         detect_family(tmp_path)
     assert "FluxPipeline" in str(info.value) and "WanPipeline" in str(info.value)
-    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, qwen_image_edit, sd3, flux, flux_kontext, wan"):
+    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, qwen_image_edit, qwen_image_edit_plus, sd3, flux, flux_kontext, wan"):
         load_policy(flux_dir, family="cogvideox")

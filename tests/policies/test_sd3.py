@@ -167,7 +167,7 @@ def test_an_unsupported_pipeline_class(tmp_path):
 
 
 def test_unknown_family_lists_the_supported_ones(sd3_dir):
-    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, qwen_image_edit, sd3, flux, flux_kontext, wan"):
+    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, qwen_image_edit, qwen_image_edit_plus, sd3, flux, flux_kontext, wan"):
         load_policy(sd3_dir, family="cogvideox")
-    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, qwen_image_edit, sd3, flux, flux_kontext, wan"):
+    with pytest.raises(ValueError, match=r"unknown model family 'cogvideox'.*qwen_image, qwen_image_edit, qwen_image_edit_plus, sd3, flux, flux_kontext, wan"):
         load_text_processor(sd3_dir, family="cogvideox")
