@@ -306,6 +306,13 @@ def _replica_actor(replica_name: str):
     return ray.get_actor(replica_name, namespace=namespace)
 
 
+def _cpu_seconds(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 def _ongoing_requests(replica) -> int:
     """What a replica counts as in its hands (Serve's ReplicaActor answers this on a thread of its own, so
     it answers while the replica computes)."""
@@ -327,9 +334,10 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
     trainer = _trainer(tmp_path, recorder)
     rows = [trainer.train_step()]  # undisturbed; publishes the next version
 
-    # The next step's rollout runs while node A goes: once A's replica holds a chunk, freeze it (the chunk
-    # is then certainly lost with the node, not finished a moment before) and remove the node. The replica's
-    # own count, not its CPU time: an idle replica's health checks and metrics use CPU too.
+    # The next step's rollout runs while node A goes: once A's replica computes a chunk, freeze it (the chunk
+    # is then certainly lost with the node, not finished a moment before) and remove the node. Computing:
+    # the replica counts a request in hand (Serve's router may still send elsewhere a request whose replica
+    # dies before taking it) and has used CPU since (its CPU time alone also moves with health checks).
     result: dict[str, Any] = {}
 
     def disturbed_step() -> None:
@@ -344,7 +352,11 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
     step.start()
     deadline = time.monotonic() + 60
     while _ongoing_requests(victim_replica) == 0:
-        assert step.is_alive() and time.monotonic() < deadline, "node A's replica never started on the rollout"
+        assert step.is_alive() and time.monotonic() < deadline, "node A's replica never took a chunk"
+    busy_from = _cpu_seconds(victim_pid)
+    while _cpu_seconds(victim_pid) - busy_from < 0.02:
+        assert step.is_alive() and time.monotonic() < deadline, "node A's replica never started on its chunk"
+        time.sleep(0.002)
     os.kill(victim_pid, signal.SIGSTOP)
     try:
         multinode.cluster.remove_node(a)
