@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 # Everything: unit tests, local-mode graphs, learning runs, real clusters, benchmark smoke runs. Two
-# workers: the tests that start Ray run in order on one (tests/conftest.py), everything else on both.
+# workers: each module that starts Ray runs whole on one of them, so its cluster starts once (tests/conftest.py).
 test: venv
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 tests
 
