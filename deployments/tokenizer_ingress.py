@@ -118,7 +118,8 @@ class TokenizerIngress:
         """The coordinator, built on first use with the scoring the aggregator's rewards need."""
         if self._coordinator is None:
             kinds = await self.aggregator.scoring.remote()
-            scoring = Scoring(kinds["per_sample"], kinds["groupwise"], self.config.aggregator.score_while_sampling)
+            scoring = Scoring(kinds["per_sample"], kinds["groupwise"], self.config.aggregator.score_while_sampling,
+                              kinds["input_images"])
             self._coordinator = RolloutCoordinator(self.sample, self.aggregator.score.remote, self.collect, scoring)
         return self._coordinator
 
@@ -184,7 +185,7 @@ class TokenizerIngress:
             # Tokenizing is CPU work; a thread keeps the event loop free (the processor locks the tokenizer).
             plan = await asyncio.to_thread((await self.planner()).plan, request)
             batch = await (await self.coordinator()).run(plan.chunks, plan.prompts, plan.group_size,
-                                                         request_id=plan.request_id)
+                                                         request_id=plan.request_id, input_images=plan.input_images)
             outcome = "ok"
             return batch
         finally:

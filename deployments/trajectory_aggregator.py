@@ -84,9 +84,11 @@ class TrajectoryAggregator:
         )
 
     def scoring(self) -> dict[str, bool]:
-        """Which jobs the ingress's ScoreStream makes: per-sample parts, whole groups, or both."""
+        """Which jobs the ingress's ScoreStream makes: per-sample parts, whole groups, or both; and whether
+        they carry their prompt's input images."""
         reward = self.assembler.reward
-        return {"per_sample": reward.has_per_sample, "groupwise": reward.has_groupwise}
+        return {"per_sample": reward.has_per_sample, "groupwise": reward.has_groupwise,
+                "input_images": reward.needs_input_images}
 
     async def score(self, job: ScoreJob) -> GroupScores:
         """One part of a group (or a whole group) scored; RewardError when a reward failed closed."""

@@ -583,6 +583,7 @@ class ScoreJob:
 
     sample_index: [n] long, in the order of the parts' rows concatenated.
     parts: (images of a chunk, stored as it travels; [m] long rows of that chunk) per chunk holding some.
+    input_images: the prompt's input images (uint8 [3, h, w]), when a reward compares samples with them.
     """
 
     prompt_index: int
@@ -590,6 +591,7 @@ class ScoreJob:
     sample_index: torch.Tensor
     parts: list[tuple[Stored, torch.Tensor]]
     whole_group: bool
+    input_images: list[torch.Tensor] = field(default_factory=list)
 
     async def images(self) -> torch.Tensor:
         """uint8 [n, 3, H, W] (videos [n, F, 3, H, W]) of the job's samples, fetched where it is scored."""

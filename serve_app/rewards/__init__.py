@@ -8,8 +8,10 @@ from .registry import (
     build_reward,
     check_image_batch,
     declared_input,
+    declares_input_images,
     register_reward,
     registered_rewards,
+    sees_input_images,
     takes,
 )
 
@@ -24,12 +26,14 @@ __all__ = [
     "build_reward",
     "check_image_batch",
     "declared_input",
+    "declares_input_images",
     "color_target",
     "jpeg_compressibility",
     "jpeg_incompressibility",
     "register_reward",
     "registered_rewards",
     "saturation",
+    "sees_input_images",
     "takes",
 ]
 

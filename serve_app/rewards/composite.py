@@ -4,6 +4,7 @@ RewardServer deployment), retried, checked and reported. Fail closed: an error i
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from serve_app.errors import RewardError
 from serve_app.retry import RetryPolicy, always, refuse_renamed_keys
 
-from .registry import RewardFn, build_reward, declares_groupwise
+from .registry import RewardFn, build_reward, declares_groupwise, declares_input_images
 from .video import check_sample_batch
 
 ArgValue = Union[bool, int, float, str, list, dict]
@@ -201,7 +202,9 @@ class CompositeReward:
         self.keys: tuple[str, ...] = reward_keys(self.specs)
         servers = dict(servers or {})
         self._calls: dict[str, RewardFn | RemoteReward] = {}
+        self.sees_input_images: dict[str, bool] = {}
         for key, spec in zip(self.keys, self.specs):
+            self.sees_input_images[key] = _sees_input_images(spec)
             if spec.placement == "deployment":
                 if key not in servers:
                     raise ValueError(f"reward {spec.name!r} is placed on a deployment, but no RewardServer handle "
@@ -212,6 +215,11 @@ class CompositeReward:
         if servers:
             raise ValueError(f"RewardServer handles for rewards that are not placed on a deployment: {sorted(servers)}")
         self.groupwise: dict[str, bool] = {k: resolve_groupwise(s) for k, s in zip(self.keys, self.specs)}
+
+    @property
+    def needs_input_images(self) -> bool:
+        """Whether some component compares samples with their prompts' input images."""
+        return any(self.sees_input_images.values())
 
     @property
     def has_per_sample(self) -> bool:
@@ -226,9 +234,10 @@ class CompositeReward:
         return sum((spec.weight * values[key] for key, spec in zip(self.keys, self.specs)),
                    torch.zeros_like(values[self.keys[0]]))
 
-    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    def score(self, images: torch.Tensor, prompts: Sequence[str],
+              input_images: Sequence[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
         """Score one whole group in this process with every component (no retries); returns the
-        values per key and ``"total"``.
+        values per key and ``"total"``. ``input_images``: the prompt's, for the components that see them.
 
         Raises:
             ValueError: malformed ``images``/``prompts``, or a component placed on a deployment.
@@ -241,7 +250,7 @@ class CompositeReward:
             if spec.placement != "in_process":
                 raise ValueError(f"reward {spec.name!r} runs on a deployment; score it with score_part")
             try:
-                raw = self._calls[key](images, prompts)
+                raw = self._bound(key, images, input_images)(images, prompts)
             except Exception as e:
                 raise RewardError(spec.name, prompt, f"{type(e).__name__}: {e}") from e
             out[key] = checked_values(spec.name, prompt, raw, images.shape[0])
@@ -254,11 +263,13 @@ class CompositeReward:
         prompt: str,
         *,
         whole_group: bool,
+        input_images: Sequence[torch.Tensor] = (),
         executor: Executor | None = None,
         observer: RewardObserver | None = None,
     ) -> tuple[dict[str, torch.Tensor], RewardError | None]:
         """Score samples of one prompt's group with the components that apply: the per-sample ones
         (any part of a group), or the groupwise ones (``whole_group``: all its samples, in order).
+        ``input_images``: the prompt's, for the components that see them.
 
         Components run concurrently, each with its retries and timeout. Returns (values per key,
         None), or ({}, the RewardError) when a component with ``on_error: drop_group`` failed.
@@ -270,7 +281,8 @@ class CompositeReward:
         observer = observer or _NoObserver()
         mine = [(k, s) for k, s in zip(self.keys, self.specs) if self.groupwise[k] == whole_group]
         outcomes = await asyncio.gather(
-            *(self._call(key, spec, images, prompt, executor, observer) for key, spec in mine), return_exceptions=True
+            *(self._call(key, spec, images, prompt, input_images, executor, observer) for key, spec in mine),
+            return_exceptions=True
         )
         failures = [o for o in outcomes if isinstance(o, BaseException)]
         fatal = [e for e, (_, s) in zip(outcomes, mine) if isinstance(e, BaseException) and s.on_error == "fail"]
@@ -280,7 +292,8 @@ class CompositeReward:
             return {}, failures[0]  # type: ignore[return-value]
         return {key: values for (key, _), values in zip(mine, outcomes)}, None  # type: ignore[misc]
 
-    async def _call(self, key: str, spec: RewardSpec, images: torch.Tensor, prompt: str, executor: Executor | None,
+    async def _call(self, key: str, spec: RewardSpec, images: torch.Tensor, prompt: str,
+                    input_images: Sequence[torch.Tensor], executor: Executor | None,
                     observer: RewardObserver) -> torch.Tensor:
         """One component on one part, with its retry policy; fails closed with a RewardError."""
         prompts = [prompt] * images.shape[0]
@@ -290,7 +303,7 @@ class CompositeReward:
             nonlocal last_call_s
             started = time.perf_counter()
             try:
-                raw = await asyncio.wait_for(self._invoke(key, images, prompts, executor), spec.timeout_s)
+                raw = await asyncio.wait_for(self._invoke(key, images, prompts, input_images, executor), spec.timeout_s)
                 return checked_values(spec.name, prompt, raw, images.shape[0])
             finally:
                 last_call_s = time.perf_counter() - started
@@ -309,13 +322,33 @@ class CompositeReward:
         observer.record(key, "ok", last_call_s)
         return values
 
-    def _invoke(self, key: str, images: torch.Tensor, prompts: list[str], executor: Executor | None) -> Awaitable[Any]:
+    def _bound(self, key: str, images: torch.Tensor, input_images: Sequence[torch.Tensor]) -> Callable[..., Any]:
+        """The component's call, given the prompt's input images (one list per sample) if it sees them."""
         call = self._calls[key]
+        if not self.sees_input_images[key]:
+            return call
+        return functools.partial(call, input_images=[list(input_images)] * images.shape[0])
+
+    def _invoke(self, key: str, images: torch.Tensor, prompts: list[str], input_images: Sequence[torch.Tensor],
+                executor: Executor | None) -> Awaitable[Any]:
+        call = self._bound(key, images, input_images)
         if self.specs[self.keys.index(key)].placement == "deployment":
             return call(images, prompts)  # type: ignore[return-value]
         # In-process rewards are plain blocking functions: a thread keeps the event loop serving. A
         # timed-out call keeps its thread until it returns (Python cannot stop a thread).
         return asyncio.get_running_loop().run_in_executor(executor, call, images, prompts)
+
+
+def _sees_input_images(spec: RewardSpec) -> bool:
+    """Whether the component is called with its prompts' input images; such a component runs in process."""
+    try:
+        sees = declares_input_images(spec.name)
+    except ValueError:  # a module only its own RewardServer's runtime_env can import
+        return False
+    if sees and spec.placement != "in_process":
+        raise ValueError(f"reward {spec.name!r} compares samples with their input images, which stay in the app: "
+                         "it runs with placement: in_process")
+    return sees
 
 
 def score_fused(fn: RewardFn, calls: Sequence[tuple[torch.Tensor, list[str]]], *, groupwise: bool) -> list[Any]:

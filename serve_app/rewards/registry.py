@@ -10,6 +10,12 @@ What a reward takes is declared too: ``"images"`` (the default: uint8 ``[B, 3, H
 takes="videos")``, or :func:`takes` on a reward named by import path. The config refuses a reward
 that cannot take what the model family produces.
 
+A reward of an image-conditioned family (editing) may compare each sample with its prompt's input images:
+it declares so (:func:`sees_input_images`) and is then called as ``reward(images, prompts, input_images=...)``,
+with ``input_images`` one list per sample of its prompt's input images (uint8 ``[3, h, w]``, at the size the
+model conditions on; empty lists for a text-to-image family). Such a reward runs in the aggregator's
+process (``placement: in_process``).
+
 A *groupwise* reward (a ranking, a diversity bonus) scores a whole group at once: it is called with
 all ``G`` samples of one prompt, in sample order, and never with a part of a group. A factory
 declares it (``@register_reward(name, groupwise=True)``), as can a plain callable or class with a
@@ -119,6 +125,21 @@ def declared_input(name: str) -> Takes:
         ValueError: unknown name or unimportable path.
     """
     return getattr(_declaring(name), "takes", "images")
+
+
+def sees_input_images(target: F) -> F:
+    """Declare that a reward (or reward factory) named by import path is called with its prompts' input images."""
+    target.sees_input_images = True  # type: ignore[attr-defined]
+    return target
+
+
+def declares_input_images(name: str) -> bool:
+    """Whether the reward named ``name`` is called with its prompts' input images (:func:`sees_input_images`).
+
+    Raises:
+        ValueError: unknown name or unimportable path.
+    """
+    return bool(getattr(_declaring(name), "sees_input_images", False))
 
 
 def _declaring(name: str) -> Any:

@@ -69,8 +69,11 @@ class ScoreStream:
     the chunk's images and their rows; the images are fetched where the job is scored.
     """
 
-    def __init__(self, prompts: Sequence[str], group_size: int, *, per_sample: bool = True, groupwise: bool = False) -> None:
+    def __init__(self, prompts: Sequence[str], group_size: int, *, per_sample: bool = True, groupwise: bool = False,
+                 input_images: Sequence[list[torch.Tensor]] | None = None) -> None:
         self.prompts = list(prompts)
+        # Each prompt's input images, carried by its jobs when a reward compares samples with them.
+        self.input_images = [list(row) for row in input_images] if input_images is not None else None
         self.group_size = group_size
         self.per_sample = per_sample
         self.groupwise = groupwise
@@ -84,7 +87,8 @@ class ScoreStream:
             rows = (header.prompt_index == p).nonzero().flatten()
             samples = header.sample_index[rows]
             if self.per_sample:
-                jobs.append(ScoreJob(p, self.prompts[p], samples, [(chunk.images, rows)], whole_group=False))
+                jobs.append(ScoreJob(p, self.prompts[p], samples, [(chunk.images, rows)], whole_group=False,
+                                     input_images=self._input_images(p)))
             if self.groupwise:
                 parts = self._waiting.setdefault(p, [])
                 parts.append((samples, chunk.images, rows))
@@ -103,7 +107,10 @@ class ScoreStream:
         if not torch.equal(samples, torch.sort(samples).values):
             raise GroupIncompleteError(f"the samples of group {prompt_index} arrived interleaved across chunks")
         return ScoreJob(prompt_index, self.prompts[prompt_index], samples, [(i, r) for _, i, r in ordered],
-                        whole_group=True)
+                        whole_group=True, input_images=self._input_images(prompt_index))
+
+    def _input_images(self, prompt_index: int) -> list[torch.Tensor]:
+        return [] if self.input_images is None else self.input_images[prompt_index]
 
 
 class TrajectoryAssembler:
@@ -118,14 +125,17 @@ class TrajectoryAssembler:
         self.observer = observer
         self._pool = ThreadPoolExecutor(max_workers=reward_threads, thread_name_prefix="reward")
 
-    def stream(self, prompts: Sequence[str], group_size: int) -> ScoreStream:
-        return ScoreStream(prompts, group_size, per_sample=self.reward.has_per_sample, groupwise=self.reward.has_groupwise)
+    def stream(self, prompts: Sequence[str], group_size: int,
+               input_images: Sequence[list[torch.Tensor]] | None = None) -> ScoreStream:
+        return ScoreStream(prompts, group_size, per_sample=self.reward.has_per_sample, groupwise=self.reward.has_groupwise,
+                           input_images=input_images if self.reward.needs_input_images else None)
 
     async def score(self, job: ScoreJob) -> GroupScores:
         """One job's values, or its group's drop. Raises RewardError (fail closed) when a reward with
         ``on_error: fail`` failed after its retries."""
         values, failure = await self.reward.score_part(
-            await job.images(), job.prompt, whole_group=job.whole_group, executor=self._pool, observer=self.observer
+            await job.images(), job.prompt, whole_group=job.whole_group, input_images=job.input_images,
+            executor=self._pool, observer=self.observer
         )
         if failure is not None:
             return GroupScores(job.prompt_index, job.sample_index, {}, failure.reward_name, str(failure))

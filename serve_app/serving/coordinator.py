@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from serve_app.schemas import BatchLayout, ChunkHeader, GroupScores, SampledChunk, ScoreJob, Trajectory, TrajectoryBatch
 from serve_app.serving.aggregator import ScoreStream, TrajectoryAssembler
 
@@ -31,6 +33,7 @@ class Scoring:
     per_sample: bool = True
     groupwise: bool = False
     while_sampling: bool = True
+    input_images: bool = False  # jobs carry their prompt's input images (a reward compares samples with them)
 
 
 async def all_or_cancel(coroutines: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
@@ -79,15 +82,18 @@ class RolloutCoordinator:
                           headers: list[ChunkHeader]) -> BatchLayout:
             return assembler.finish(headers, scores, prompts, group_size)
 
-        scoring = Scoring(assembler.reward.has_per_sample, assembler.reward.has_groupwise, while_sampling)
+        reward = assembler.reward
+        scoring = Scoring(reward.has_per_sample, reward.has_groupwise, while_sampling, reward.needs_input_images)
         return cls(sample or sampled, assembler.score, collect, scoring)
 
-    async def run(self, chunks: Sequence[Any], prompts: Sequence[str], group_size: int, *,
-                  request_id: str) -> TrajectoryBatch:
-        """The batch of a planned request: whole groups or an error (a chunk's, a reward's, the collect's)."""
+    async def run(self, chunks: Sequence[Any], prompts: Sequence[str], group_size: int, *, request_id: str,
+                  input_images: Sequence[list[torch.Tensor]] | None = None) -> TrajectoryBatch:
+        """The batch of a planned request: whole groups or an error (a chunk's, a reward's, the collect's).
+        ``input_images``: each prompt's, for the rewards that compare samples with them."""
         started = time.perf_counter()
         prompts = list(prompts)
-        stream = ScoreStream(prompts, group_size, per_sample=self.scoring.per_sample, groupwise=self.scoring.groupwise)
+        stream = ScoreStream(prompts, group_size, per_sample=self.scoring.per_sample, groupwise=self.scoring.groupwise,
+                             input_images=input_images if self.scoring.input_images else None)
 
         async def sample_and_score(chunk: Any) -> tuple[SampledChunk, list[GroupScores]]:
             sampled = await self.sample(chunk)
@@ -105,7 +111,7 @@ class RolloutCoordinator:
         return TrajectoryBatch(sampled_chunks, layout.rows, prompts, group_size, layout.rewards, layout.advantages,
                                metrics, request_id, layout.policy_version, layout.dropped_groups)
 
-    def run_sync(self, chunks: Sequence[Any], prompts: Sequence[str], group_size: int, *,
-                 request_id: str) -> TrajectoryBatch:
+    def run_sync(self, chunks: Sequence[Any], prompts: Sequence[str], group_size: int, *, request_id: str,
+                 input_images: Sequence[list[torch.Tensor]] | None = None) -> TrajectoryBatch:
         """:meth:`run` for callers without an event loop (tests, benchmarks, in-process rollouts)."""
-        return asyncio.run(self.run(chunks, prompts, group_size, request_id=request_id))
+        return asyncio.run(self.run(chunks, prompts, group_size, request_id=request_id, input_images=input_images))

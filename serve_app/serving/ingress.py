@@ -8,7 +8,7 @@ Everything a request can get wrong is decided here, before any replica sees it.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from pydantic import ValidationError
@@ -39,6 +39,7 @@ class RolloutPlan:
     group_size: int
     policy_version: int
     chunks: list[RolloutChunk]
+    input_images: list[list[torch.Tensor]] = field(default_factory=list)  # each prompt's, as the model sees them
 
 
 class RolloutPlanner:
@@ -235,7 +236,8 @@ class RolloutPlanner:
                     group_seeds=None if group_seeds is None else group_seeds[part].clone(),
                 )
             )
-        return RolloutPlan(uuid.uuid4().hex[:12], list(request.prompts), request.group_size, policy_version, chunks)
+        return RolloutPlan(uuid.uuid4().hex[:12], list(request.prompts), request.group_size, policy_version, chunks,
+                           images)
 
 
 def _check_text(text: str, field: str) -> None:
