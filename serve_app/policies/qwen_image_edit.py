@@ -33,13 +33,15 @@ from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 # QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
-EDIT_PROMPT_TEMPLATE = (
+# The header is the 64 dropped tokens (system prompt and user header), shared with Qwen-Image-Edit-Plus.
+EDIT_TEMPLATE_HEADER = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
     "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
     "image that meets the user's requirements while maintaining consistency with the original input where "
-    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
+    "appropriate.<|im_end|>\n<|im_start|>user\n"
 )
+EDIT_TEMPLATE_TAIL = "{}<|im_end|>\n<|im_start|>assistant\n"
+EDIT_PROMPT_TEMPLATE = EDIT_TEMPLATE_HEADER + "<|vision_start|><|image_pad|><|vision_end|>" + EDIT_TEMPLATE_TAIL
 EDIT_TEMPLATE_PREFIX_TOKENS = 64
 IMAGE_PAD = "<|image_pad|>"
 # The area QwenImageEditPipeline.__call__ resizes an input image to (calculate_dimensions(1024 * 1024, ...)).

@@ -20,7 +20,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from diffusers import QwenImageEditPlusPipeline
@@ -28,23 +28,17 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
 from serve_app.media import to_pil
 from serve_app.models.tokenizer_cache import load_tokenizer
-from serve_app.policies.base import TextProcessor
 from serve_app.policies.qwen_image_edit import (
+    EDIT_TEMPLATE_HEADER,
     EDIT_TEMPLATE_PREFIX_TOKENS,
+    EDIT_TEMPLATE_TAIL,
     QwenImageEditPolicy,
     QwenImageEditTextProcessor,
 )
 from serve_app.schemas import PromptTokens, SamplingParams
 
-# QwenImageEditPlusPipeline's template: the system prompt of Qwen-Image-Edit, the pictures and the instruction
-# in the user turn (the first 64 tokens, up to "<|im_start|>user\n", are dropped from the hidden states).
-PLUS_TEMPLATE_HEADER = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
-    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
-    "image that meets the user's requirements while maintaining consistency with the original input where "
-    "appropriate.<|im_end|>\n<|im_start|>user\n"
-)
-PLUS_TEMPLATE_TAIL = "{}<|im_end|>\n<|im_start|>assistant\n"
+# QwenImageEditPlusPipeline's template is Qwen-Image-Edit's header (the 64 tokens dropped from the hidden
+# states), then a picture per input image and the instruction in the user turn, then Qwen-Image-Edit's tail.
 PICTURE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 # The stock pipeline's areas (CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE).
 STOCK_CONDITION_IMAGE_AREA = 384 * 384
@@ -54,20 +48,33 @@ _STOCK_AREA_LOCK = threading.Lock()
 
 class QwenImageEditPlusTextProcessor(QwenImageEditTextProcessor):
     """The template's 64-token header and the instruction's tail, tokenized apart; the pictures go between
-    them on the replica (:meth:`QwenImageEditPlusPolicy._template_ids`)."""
+    them on the replica (:meth:`QwenImageEditPlusPolicy._template_ids`, with :meth:`picture_ids`)."""
+
+    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        super().__init__(tokenizers)
+        self._picture_ids: dict[int, torch.Tensor] = {}  # image count -> ids
 
     def format(self, prompt: str) -> str:
-        return PLUS_TEMPLATE_HEADER + PLUS_TEMPLATE_TAIL.format(prompt)
+        return EDIT_TEMPLATE_HEADER + EDIT_TEMPLATE_TAIL.format(prompt)
 
     def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
         tokenizer = self._tokenizer("tokenizer")
-        header = tokenizer(PLUS_TEMPLATE_HEADER, padding=False)["input_ids"]
+        header, *tails = tokenizer([EDIT_TEMPLATE_HEADER, *(EDIT_TEMPLATE_TAIL.format(p) for p in prompts)],
+                                   padding=False)["input_ids"]
         if len(header) != EDIT_TEMPLATE_PREFIX_TOKENS:
             raise ValueError(f"the Qwen-Image-Edit-Plus template header is {len(header)} tokens with this tokenizer; "
                              f"the pipeline drops {EDIT_TEMPLATE_PREFIX_TOKENS}")
-        tails = tokenizer([PLUS_TEMPLATE_TAIL.format(p) for p in prompts], padding=False)["input_ids"]
         return [PromptTokens(text=p, token_ids={"tokenizer": torch.tensor(header + tail, dtype=torch.long)})
                 for p, tail in zip(prompts, tails)]
+
+    def picture_ids(self, count: int) -> torch.Tensor:
+        """Token ids of ``Picture 1: ...`` to ``Picture count: ...``, as the replica inserts them (kept per count)."""
+        with self._lock:
+            if count not in self._picture_ids:
+                text = "".join(PICTURE_TEMPLATE.format(k + 1) for k in range(count))
+                ids = self._tokenizer("tokenizer")(text, padding=False)["input_ids"]
+                self._picture_ids[count] = torch.tensor(ids, dtype=torch.long)
+            return self._picture_ids[count]
 
 
 class QwenImageEditPlusPolicy(QwenImageEditPolicy):
@@ -94,16 +101,8 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
     def _template_ids(self, prompt: PromptTokens) -> torch.Tensor:
         ids = prompt.token_ids["tokenizer"].to(torch.long)
         at = EDIT_TEMPLATE_PREFIX_TOKENS
-        return torch.cat([ids[:at], self._picture_ids(len(prompt.images)), ids[at:]])
-
-    def _picture_ids(self, count: int) -> torch.Tensor:
-        """Token ids of ``Picture 1: ...`` to ``Picture count: ...`` (kept per count)."""
-        cache = self.__dict__.setdefault("_picture_ids_by_count", {})
-        if count not in cache:
-            text = "".join(PICTURE_TEMPLATE.format(k + 1) for k in range(count))
-            with TextProcessor._lock:
-                cache[count] = torch.tensor(self.pipeline.tokenizer(text, padding=False)["input_ids"], dtype=torch.long)
-        return cache[count]
+        processor = cast(QwenImageEditPlusTextProcessor, self.text_processor())
+        return torch.cat([ids[:at], processor.picture_ids(len(prompt.images)), ids[at:]])
 
     def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor, *,
                    images: Sequence[torch.Tensor] = ()) -> torch.Tensor:
