@@ -46,9 +46,7 @@ def ode_sample():
     from serve_app.flowgrpo.sampler import denoise, encode_conditioning
 
     def run(policy, prompt, params, latents, generators, *, images=()):
-        geometry = policy.geometry
-        resized = [geometry.resize_input_image(image) for image in images]
-        condition = [geometry.resize_condition_image(image) for image in images] if geometry.condition_image_area else []
+        resized, condition = policy.geometry.conditioning_images(images)
         tokens = [replace(t, images=resized, condition_images=condition) for t in policy.text_processor().tokenize([prompt])]
         conditioning = encode_conditioning(policy, tokens, torch.zeros(1, dtype=torch.long), None, params)
         assert (conditioning.negative is not None) == (params.guidance_scale > 1)

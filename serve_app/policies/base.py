@@ -198,6 +198,16 @@ class ImageGeometry:
             )
         return resize_image(image, height, width)
 
+    def conditioning_images(self, images: Sequence[torch.Tensor], fields: Sequence[str] | None = None
+                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A prompt's input images as sent -> (each at :meth:`input_image_size`, each encoder copy at
+        `condition_image_area`; no copies for a family without them). `fields` name the images in errors."""
+        fields = list(fields) if fields is not None else ["images"] * len(images)
+        resized = [self.resize_input_image(image, field) for image, field in zip(images, fields)]
+        if not self.condition_image_area:
+            return resized, []
+        return resized, [self.resize_condition_image(image, field) for image, field in zip(images, fields)]
+
     def input_tokens(self, height: int, width: int) -> int:
         """Latent tokens an input image already at its conditioning size adds to every forward."""
         return (height // self.spatial_multiple) * (width // self.spatial_multiple)

@@ -112,9 +112,9 @@ class DiffusersEngine:
             # An image-conditioned family needs its fewest input images: gray ones, at a square image's size.
             fewest = policy.geometry.input_images[0]
             if fewest:
-                geometry, gray = policy.geometry, torch.full((3, side, side), 128, dtype=torch.uint8)
-                condition = [geometry.resize_condition_image(gray)] * fewest if geometry.condition_image_area else []
-                tokens = replace(tokens, images=[geometry.resize_input_image(gray)] * fewest, condition_images=condition)
+                gray = torch.full((3, side, side), 128, dtype=torch.uint8)
+                images, condition = policy.geometry.conditioning_images([gray] * fewest)
+                tokens = replace(tokens, images=images, condition_images=condition)
             self._probe_conditioning = policy.encode_prompts([tokens])
         # The fewest frames the model takes: a transformer with two-frame tokens refuses one latent frame.
         shape = policy.latent_shape(side, side, policy.geometry.min_frames)

@@ -130,9 +130,9 @@ class RolloutPlanner:
             geometry.check_input_image_count(len(row), f"images[{i}]")
             fields = [f"images[{i}][{j}]" for j in range(len(row))]
             sent = [self._input_image(image, field) for image, field in zip(row, fields)]
-            resized.append([geometry.resize_input_image(image, field) for image, field in zip(sent, fields)])
-            condition.append([geometry.resize_condition_image(image, field) for image, field in zip(sent, fields)]
-                             if geometry.condition_image_area else [])
+            prompt_resized, prompt_condition = geometry.conditioning_images(sent, fields)
+            resized.append(prompt_resized)
+            condition.append(prompt_condition)
         return resized, condition
 
     def _input_image(self, image: str | torch.Tensor, field: str) -> torch.Tensor:
