@@ -250,6 +250,15 @@ def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=1)
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A training or evaluation prompt of an image-conditioned family: its text and its input images as
+    sent (uint8 [3, H, W] each). A trainer's `prompt_source` may give these instead of strings."""
+
+    text: str
+    images: tuple[torch.Tensor, ...]
+
+
 @dataclass
 class PromptTokens:
     """One prompt after the ingress: its text, per tokenizer of the family 1-D token ids, and its input

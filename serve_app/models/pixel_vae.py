@@ -127,7 +127,9 @@ def save_pixel_space_pipeline(pipe: Any, out_dir: Path, *, dtype: torch.dtype | 
     """``save_pretrained`` of a pipeline whose VAE is one of these (transformer and text encoder cast
     to ``dtype`` first when given), with model_index.json naming the VAE by its defining module:
     ``save_pretrained`` records the top-level package, and diffusers looks the class up in the
-    module a checkpoint names."""
+    module a checkpoint names. An edit pipeline's processor is named as a released checkout names
+    it (``transformers.Qwen2VLProcessor``; the policy loads it as
+    :class:`~serve_app.models.vl_processor.Qwen2VLImageOnlyProcessor`)."""
     out_dir = Path(out_dir)
     if dtype is not None:
         for module in (pipe.transformer, pipe.text_encoder):
@@ -136,4 +138,6 @@ def save_pixel_space_pipeline(pipe: Any, out_dir: Path, *, dtype: torch.dtype | 
     index_file = out_dir / "model_index.json"
     index = json.loads(index_file.read_text())
     index["vae"] = [type(pipe.vae).__module__, type(pipe.vae).__name__]
+    if getattr(pipe, "processor", None) is not None:
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -178,9 +178,11 @@ def qwen25vl_text_encoder(
     max_positions: int = 2048,
     rope_theta: float = 1_000_000.0,
     vision_patch_size: int = 14,
+    vision_token_ids: dict[str, int] | None = None,
 ) -> Qwen2_5_VLForConditionalGeneration:
     """A small Qwen2.5-VL text model (QwenImagePipeline's text encoder class), with a minimal vision tower
-    over `vision_patch_size` px patches (the edit pipelines run it; 14 as released)."""
+    over `vision_patch_size` px patches (the edit pipelines run it; 14 as released). `vision_token_ids`:
+    the ids of a vocabulary other than Qwen2's (``image_token_id``, ``vision_start_token_id``, ...)."""
     head_dim = hidden_size // heads
     if 2 * sum(mrope_section) != head_dim:
         raise ValueError(f"mrope sections {mrope_section} do not cover head_dim {head_dim}")
@@ -210,6 +212,7 @@ def qwen25vl_text_encoder(
         },
         # Sharing the embedding table with lm_head halves the checkpoint.
         tie_word_embeddings=True,
+        **(vision_token_ids or {}),
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 

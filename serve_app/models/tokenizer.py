@@ -232,15 +232,17 @@ _WORD_LEVEL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def build_word_level_tokenizer(qwen2_dir: Path, out_dir: Path, texts: Sequence[str], *,
-                               model_max_length: int = 1024) -> Path:
+                               model_max_length: int = 1024, specials: Sequence[str] = ()) -> Path:
     """A word-level tokenizer over the Qwen2 pieces ``texts`` use, saved to ``out_dir``.
 
     The Qwen2 normaliser, pre-tokenizer and byte-level alphabet, but a vocabulary of only those
     pieces (plus the special tokens and ``<unk>``, which any other word becomes): a procedural
     world's text encoder then needs a few dozen embedding rows instead of 151,665. Every pre-token
     of ``texts`` must be one Qwen2 token, so ids line up with Qwen2's pieces one to one (and a
-    prompt template keeps its length); a text where that fails raises RuntimeError.
+    prompt template keeps its length); a text where that fails raises RuntimeError. ``specials``: Qwen2's
+    added tokens beyond the chat markers that ``texts`` use whole (an edit template's vision markers).
     """
+    specials = (*_WORD_LEVEL_SPECIALS, *specials)
     qwen = load_tokenizer(qwen2_dir)
     backend = qwen.backend_tokenizer
     pieces: dict[str, None] = {}
@@ -250,7 +252,8 @@ def build_word_level_tokenizer(qwen2_dir: Path, out_dir: Path, texts: Sequence[s
                 pieces[token] = None
     for text in texts:
         normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
-        splits = [s for chunk in _split_specials(normalized) for s, _ in backend.pre_tokenizer.pre_tokenize_str(chunk)]
+        splits = [s for chunk in _split_specials(normalized, specials)
+                  for s, _ in backend.pre_tokenizer.pre_tokenize_str(chunk)]
         missing = [s for s in splits if s not in pieces]
         if missing:
             raise RuntimeError(f"pre-tokens {missing} of {text!r} are not single Qwen2 tokens")
@@ -264,7 +267,7 @@ def build_word_level_tokenizer(qwen2_dir: Path, out_dir: Path, texts: Sequence[s
         unk_token=WORD_LEVEL_UNK,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(_WORD_LEVEL_SPECIALS[1:]),
+        additional_special_tokens=list(specials[1:]),
         model_max_length=model_max_length,
     )
     out_dir = Path(out_dir)
@@ -272,9 +275,9 @@ def build_word_level_tokenizer(qwen2_dir: Path, out_dir: Path, texts: Sequence[s
     return out_dir
 
 
-def _split_specials(text: str) -> list[str]:
+def _split_specials(text: str, specials: Sequence[str]) -> list[str]:
     """The text between special tokens (which the tokenizer matches before pre-tokenizing)."""
     chunks = [text]
-    for special in _WORD_LEVEL_SPECIALS:
+    for special in specials:
         chunks = [part for chunk in chunks for part in chunk.split(special)]
     return [c for c in chunks if c]

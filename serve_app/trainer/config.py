@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from serve_app.config import RolloutConfig, Section, load_config
 from serve_app.imports import import_object
+from serve_app.schemas import ImagePrompt
 
 
 class LoraSection(Section):
@@ -107,7 +108,8 @@ class TrainerSection(Section):
     )
     prompt_source: str | None = Field(
         None,
-        description="'package.module:attr' of a list of prompts (or a function returning one) that replaces `prompts`.",
+        description="'package.module:attr' of a list of prompts (or a function returning one) that replaces `prompts`; "
+        "for an image-conditioned family, of ImagePrompts (serve_app.schemas: the text and its input images).",
     )
     shuffle_prompts: bool = Field(False, description="Shuffle the prompts once, with `seed`, before the round-robin.")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
@@ -152,15 +154,23 @@ class TrainerSection(Section):
         "When replicas share the trainer's cores, fewer threads stop the update from preempting the rollout.",
     )
     rollout_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one rollout request.")
+    # The input images of `prompts`, one tuple per prompt, when the prompt source gave ImagePrompts.
+    _prompt_images: list[tuple[Any, ...]] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
         if self.prompt_source is not None:
             source = import_object(self.prompt_source, what="prompt source")
             prompts = list(source() if callable(source) else source)
-            if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
-                raise ValueError(f"prompt_source {self.prompt_source!r} gave no prompts, or not only non-empty strings")
-            self.prompts = prompts
+            texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
+            if not prompts or not all(isinstance(t, str) and t.strip() for t in texts):
+                raise ValueError(f"prompt_source {self.prompt_source!r} gave no prompts, or not only non-empty strings "
+                                 "and ImagePrompts")
+            with_images = [isinstance(p, ImagePrompt) for p in prompts]
+            if any(with_images) and not all(with_images):
+                raise ValueError(f"prompt_source {self.prompt_source!r} gave prompts with and without input images")
+            self.prompts = texts
+            self._prompt_images = [p.images for p in prompts] if all(with_images) else None
         if self.prompts_per_step > len(self.prompts):
             raise ValueError(
                 f"trainer.prompts_per_step ({self.prompts_per_step}) exceeds the {len(self.prompts)} trainer.prompts"
@@ -175,6 +185,13 @@ class TrainerSection(Section):
             raise ValueError("trainer.ema_decay is not supported with trainer.distributed.strategy fsdp "
                              "(the EMA of sharded weights is not implemented); use ddp or ema_decay null")
         return self
+
+
+    def training_prompts(self) -> list[str] | list[ImagePrompt]:
+        """The prompts in their order: strings, or ImagePrompts when the prompt source gave input images."""
+        if self._prompt_images is None:
+            return list(self.prompts)
+        return [ImagePrompt(text, images) for text, images in zip(self.prompts, self._prompt_images, strict=True)]
 
 
 class TrainerRunConfig(RolloutConfig):

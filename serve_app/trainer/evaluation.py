@@ -78,6 +78,12 @@ class Evaluator(abc.ABC):
         """Fixed seeds per prompt of `split`; `configured` is trainer.evaluation.samples_per_prompt."""
         return configured
 
+    def input_images(self, split: str) -> list[list[torch.Tensor]] | None:
+        """The input images of each of a split's prompts, for an image-conditioned family (sent with the
+        request, and passed to `score` and `save_grid` as ``input_images=``, one list per image); None
+        for text prompts."""
+        return None
+
     def score(self, images: torch.Tensor, prompts: list[str]) -> SplitScores:
         """Metrics of uint8 images [N, 3, H, W], one prompt each (beyond the reward mean)."""
         return SplitScores()
@@ -211,38 +217,45 @@ class RunEvaluator:
         sampling = self.config.sampling.for_validation(num_steps=validation.num_steps, seed=validation.seed,
                                                        guidance_scale=validation.guidance_scale)
         per_prompt = self.samples_per_prompt(split)
+        split_images = self.evaluator.input_images(split)
         # Images and ids only: an evaluation never fetches the transitions.
         batch = self.client.rollout(split_prompts, per_prompt, sampling=sampling, policy_version=version,
-                                    seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s, fetch=False)
+                                    seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s, fetch=False,
+                                    **({} if split_images is None else {"images": split_images}))
         images, header = batch.images, batch.header
-        prompts = [split_prompts[i] for i in header.prompt_index.tolist()]
+        prompt_index = header.prompt_index.tolist()
+        prompts = [split_prompts[i] for i in prompt_index]
+        # An image-conditioned evaluator sees each image's input images (a split may repeat a text with other images).
+        seen = {} if split_images is None else {"input_images": [split_images[i] for i in prompt_index]}
         row: dict[str, Any] = {
             "step": step, "split": split, "policy_version": version, "weights": weights,
             "train_minutes": train_minutes, "images_sampled": images_sampled,
             "eval_reward_mean": float(batch.rewards[TOTAL_KEY].mean()),
         }
-        scores = self.evaluator.score(images, prompts)
+        scores = self.evaluator.score(images, prompts, **seen)
         row.update(scores.metrics)
         if self.evaluator.paired:
             per_image = scores.per_image
             if per_image is None and self.evaluator.headline == "eval_reward_mean":
                 per_image = batch.rewards[TOTAL_KEY].tolist()  # the headline is the reward: each image's own
-            row.update(self._paired_change(split, step, prompts, header.seeds.tolist(), per_image))
+            row.update(self._paired_change(split, step, prompts, prompt_index, header.seeds.tolist(), per_image))
         shown = min(self.settings.grid_samples, per_prompt)
         keep = [i for i in range(len(prompts)) if i % per_prompt < shown]
         headline = self.evaluator.headline
         self.evaluator.save_grid(
             images[keep], [prompts[i] for i in keep], self._grid_path(step, split), columns=shown,
+            **{name: [values[i] for i in keep] for name, values in seen.items()},
             title=f"{split} prompts, step {step} (v{version}, {weights}): {headline} {self.evaluator.format(row[headline])}",
         )
         self.log.append(row)
         return row
 
-    def _paired_change(self, split: str, step: int, prompts: list[str], seeds: list[int],
+    def _paired_change(self, split: str, step: int, prompts: list[str], prompt_index: list[int], seeds: list[int],
                        per_image: list[float] | None) -> dict[str, float]:
         """The headline's change against the split's first evaluation, with its paired bootstrap intervals
-        (each image's two values stay together) over images and over prompts; the first evaluation becomes
-        the reference (and is saved)."""
+        (each image's two values stay together) over images and over prompts (the split's entries, by
+        index: an edit split repeats an instruction with other source images); the first evaluation
+        becomes the reference (and is saved)."""
         if per_image is None:
             raise TypeError(f"{type(self.evaluator).__name__} is paired but its score gave no per-image values")
         if split not in self.references:
@@ -250,7 +263,7 @@ class RunEvaluator:
             self.references[split].save(self._reference_path(split))
         change = self.references[split].change(prompts, seeds, per_image)
         lo, hi = bootstrap_interval(change, confidence=CONFIDENCE)
-        prompt_lo, prompt_hi = cluster_bootstrap_interval(change, prompts, confidence=CONFIDENCE)
+        prompt_lo, prompt_hi = cluster_bootstrap_interval(change, prompt_index, confidence=CONFIDENCE)
         values = (sum(change) / len(change), lo, hi, prompt_lo, prompt_hi)
         return dict(zip(change_columns(self.evaluator.headline), values))
 

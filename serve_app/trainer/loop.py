@@ -30,7 +30,7 @@ import torch
 
 from serve_app.errors import PolicyVersionError
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.schemas import SamplingParams, TrajectoryBatch
+from serve_app.schemas import ImagePrompt, SamplingParams, TrajectoryBatch
 from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
 from serve_app.trainer.config import TrainerRunConfig
 from serve_app.trainer.ema import averaged_weights
@@ -46,8 +46,11 @@ __all__ = ["FlowGRPOTrainer", "OnPolicyMismatchError", "RolloutSource", "Trainin
 
 
 class RolloutSource(Protocol):
+    """What the trainer samples from (a RolloutClient); `images` is passed only for prompts with input images."""
+
     def rollout(self, prompts: list[str], group_size: int, sampling: Any = None, policy_version: int | None = None,
-                seed: int | None = None, *, timeout_s: float | None = None, fetch: bool = True) -> TrajectoryBatch: ...
+                seed: int | None = None, *, timeout_s: float | None = None, fetch: bool = True,
+                images: list[list[torch.Tensor]] | None = None) -> TrajectoryBatch: ...
 
 
 def load_trainer_policy(config: TrainerRunConfig) -> DiffusionPolicy:
@@ -98,7 +101,7 @@ class FlowGRPOTrainer:
         self.images_sampled = 0  # rollout images so far (evaluations not counted)
         self.train_seconds = 0.0  # wall time of the steps so far (evaluations included)
         self.total_steps = self.cfg.steps
-        self.prompts = list(self.cfg.prompts)
+        self.prompts = self.cfg.training_prompts()
         if self.cfg.shuffle_prompts:
             random.Random(self.cfg.seed).shuffle(self.prompts)
         if resume is not None:
@@ -210,12 +213,14 @@ class FlowGRPOTrainer:
 
     def _request_rollout(self, index: int, version: int) -> TrajectoryBatch:
         """Rollout `index` (its prompts and seed) pinned to `version`; runs on a pipeline thread."""
+        prompts = self._prompts(index)
+        images = {"images": [list(p.images) for p in prompts]} if isinstance(prompts[0], ImagePrompt) else {}
         return self.client.rollout(
-            self._prompts(index), self.cfg.group_size, sampling=self.sampling, policy_version=version,
-            seed=self._request_seed(index), timeout_s=self.cfg.rollout_timeout_s,
+            [p.text if isinstance(p, ImagePrompt) else p for p in prompts], self.cfg.group_size, sampling=self.sampling,
+            policy_version=version, seed=self._request_seed(index), timeout_s=self.cfg.rollout_timeout_s, **images,
         )
 
-    def _prompts(self, step: int) -> list[str]:
+    def _prompts(self, step: int) -> list[str] | list[ImagePrompt]:
         prompts, n = self.prompts, self.cfg.prompts_per_step
         start = (step * n) % len(prompts)
         return [prompts[(start + i) % len(prompts)] for i in range(n)]

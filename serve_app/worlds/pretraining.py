@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ def pretrain_flow_model(
     evaluate: Callable[[], dict[str, Any]],
     save: Callable[[list[dict]], None],
     log: Callable[[str], None] = print,
+    embed: Callable[[list[PromptTokens]], PromptEmbeds] | None = None,
 ) -> list[dict]:
     """Train ``trained`` (the policy's transformer and text encoder) for ``config.steps`` steps.
 
@@ -93,8 +95,11 @@ def pretrain_flow_model(
     is the side in pixels. At every evaluation (``config.eval.every`` and the last step) the EMA
     weights are swapped in, ``evaluate()`` scores them and ``save(log_entries)`` writes the model.
     Returns the log entries: the step, the mean loss since the previous entry, minutes so far and
-    what ``evaluate`` returned (under "eval").
+    what ``evaluate`` returned (under "eval"). ``embed``: how prompt tokens become the transformer's
+    conditioning (default ``policy.embed_prompts``, through the text encoder with gradients). A dropped
+    pair keeps its input images: an edit model's negative prompt is conditioned on the same image.
     """
+    embed = embed or policy.embed_prompts
     torch.set_num_threads(config.torch_threads)
     for module in trained:
         module.train()
@@ -108,7 +113,8 @@ def pretrain_flow_model(
     for step in range(config.steps):
         latents, tokens = next_batch()
         dropped = torch.rand(len(tokens), generator=generator) < config.prompt_dropout
-        cond = policy.embed_prompts([negative if d else t for t, d in zip(tokens, dropped.tolist())])
+        cond = embed([replace(negative, images=t.images, condition_images=t.condition_images) if d else t
+                      for t, d in zip(tokens, dropped.tolist())])
         sigmas = torch.sigmoid(config.logit_normal_mean + config.logit_normal_std
                                * torch.randn(len(tokens), generator=generator))
         noise = torch.randn(latents.shape, generator=generator)
@@ -192,11 +198,14 @@ def evaluate_splits(policy: Any, settings: EvalSettings, prompts_of: Callable[[s
 
 def pretrain_world(config: FlowPretrainSettings, out_dir: str | Path, *, build: Callable[[Path], Any],
                    policy_class: type, batches: Any, encode: Callable[[Any, torch.Tensor], torch.Tensor],
-                   evaluate: Callable[[Any], dict[str, Any]], size: int, log: Callable[[str], None] = print) -> list[dict]:
+                   evaluate: Callable[[Any], dict[str, Any]], size: int, log: Callable[[str], None] = print,
+                   embed: Callable[[Any], Callable[[list[PromptTokens]], PromptEmbeds]] | None = None) -> list[dict]:
     """A world's pretrain command: ``build(dir)`` makes the untrained pipeline, ``batches.next()``
-    gives (uint8 samples, indices into ``batches.prompts``), ``encode(policy, samples in [0, 1])``
-    their latents, ``evaluate(policy)`` the scores logged and saved with the (EMA) weights to
-    ``out_dir`` at every evaluation. Returns the log entries (also in out_dir/pretrain_log.jsonl)."""
+    gives (uint8 samples, indices into ``batches.prompts``) or, for an image-conditioned model, also
+    each sample's input images, ``encode(policy, samples in [0, 1])`` their latents,
+    ``evaluate(policy)`` the scores logged and saved with the (EMA) weights to ``out_dir`` at every
+    evaluation; ``embed(policy)``, when given, replaces ``policy.embed_prompts`` (a frozen encoder's
+    ``encode_prompts``). Returns the log entries (also in out_dir/pretrain_log.jsonl)."""
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as scratch:
         pipe = build(Path(scratch) / "untrained")
@@ -204,8 +213,11 @@ def pretrain_world(config: FlowPretrainSettings, out_dir: str | Path, *, build: 
         tokens = policy.text_processor().tokenize(batches.prompts)
 
         def next_batch():
-            samples, picks = batches.next()
-            return encode(policy, samples.float() / 255.0), [tokens[i] for i in picks]
+            samples, picks, *inputs = batches.next()
+            rows = [tokens[i] for i in picks]
+            if inputs:  # each sample's own input images
+                rows = [replace(t, images=images) for t, images in zip(rows, inputs[0], strict=True)]
+            return encode(policy, samples.float() / 255.0), rows
 
         def save(entries: list[dict]) -> None:
             save_checkpoint(pipe, config, entries, out_dir, Path(scratch) / f"step{entries[-1]['step']}")
@@ -215,5 +227,5 @@ def pretrain_world(config: FlowPretrainSettings, out_dir: str | Path, *, build: 
             trained.append(pipe.text_encoder)
         else:
             pipe.text_encoder.requires_grad_(False).eval()
-        return pretrain_flow_model(config, policy, trained, next_batch, size=size,
-                                   evaluate=lambda: evaluate(policy), save=save, log=log)
+        return pretrain_flow_model(config, policy, trained, next_batch, size=size, evaluate=lambda: evaluate(policy),
+                                   save=save, log=log, embed=None if embed is None else embed(policy))

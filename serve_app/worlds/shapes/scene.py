@@ -182,19 +182,31 @@ def _separated(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
     return ya + sa + g <= yb or yb + sb + g <= ya or xa + sa + g <= xb or xb + sb + g <= xa
 
 
-def _layout(rng: np.random.Generator, n: int, size: int, grid: int, sizes: Sequence[int] | None) -> list[tuple[int, int, int]]:
+def place_boxes(rng: np.random.Generator, n: int, size: int, grid: int = 1, sizes: Sequence[int] | None = None,
+                existing: Sequence[tuple[int, int, int]] = ()) -> list[tuple[int, int, int]]:
+    """``n`` new (y, x, side) boxes, kept OBJECT_GAP px apart from each other and from ``existing``."""
     lo, hi = (max(3, round(f * size)) for f in SIZE_RANGE)
     for _ in range(1000):
-        boxes: list[tuple[int, int, int]] = []
+        boxes: list[tuple[int, int, int]] = list(existing)
         for _ in range(n):
             s = int(rng.choice(sizes)) if sizes else int(rng.integers(lo, hi + 1))
             y, x = (grid * int(v) for v in rng.integers(0, (size - s) // grid + 1, size=2))
             if not all(_separated((y, x, s), b) for b in boxes):
                 break
             boxes.append((y, x, s))
-        if len(boxes) == n:
-            return boxes
-    raise RuntimeError(f"could not place {n} objects of {lo}-{hi} px in a {size} px image")
+        if len(boxes) == len(existing) + n:
+            return boxes[len(existing):]
+    raise RuntimeError(f"could not place {n} objects of {lo}-{hi} px in a {size} px image beside {len(existing)}")
+
+
+def draw(objects: Sequence[SceneObject], boxes: Sequence[tuple[int, int, int]], size: int = 32) -> np.ndarray:
+    """uint8 [3, size, size]: the background with each object filling its (y, x, side) box."""
+    img = np.empty((size, size, 3), dtype=np.uint8)
+    img[:] = BACKGROUND
+    for obj, (y, x, s) in zip(objects, boxes, strict=True):
+        region = img[y : y + s, x : x + s]
+        region[shape_mask(obj.shape, s, s)] = COLOURS[obj.colour]
+    return np.ascontiguousarray(img.transpose(2, 0, 1))
 
 
 def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32, *, grid: int = 1,
@@ -206,9 +218,4 @@ def render(spec: SceneSpec, rng: np.random.Generator, size: int = 32, *, grid: i
     aligns objects with the model's 4-px image tokens, so that a token is inside, outside or on a
     fixed piece of an edge - geometry a 2.5M-parameter model can learn in minutes on a CPU.
     """
-    img = np.empty((size, size, 3), dtype=np.uint8)
-    img[:] = BACKGROUND
-    for obj, (y, x, s) in zip(spec.objects, _layout(rng, len(spec.objects), size, grid, sizes)):
-        region = img[y : y + s, x : x + s]
-        region[shape_mask(obj.shape, s, s)] = COLOURS[obj.colour]
-    return np.ascontiguousarray(img.transpose(2, 0, 1))
+    return draw(spec.objects, place_boxes(rng, len(spec.objects), size, grid, sizes), size)
