@@ -34,8 +34,9 @@ test-fast: venv
 # shipped shapes-world model learning to draw what its prompts ask (held-out accuracy in eval.csv).
 # `make demo STEPS=100` is shorter (the default: the world's trainer config's trainer.steps),
 # `make demo OUT=outputs/mine` picks the output folder, `make demo WORLD=video` trains the moving-shapes
-# video model (direction accuracy in eval.csv), `make demo WORLD=brightness STEPS=60` runs the random
-# tiny model on the brightness reward.
+# video model (direction accuracy in eval.csv), `make demo WORLD=edit` trains the shipped editing model
+# (held-out edit accuracy in eval.csv), `make demo WORLD=brightness STEPS=60` runs the random tiny model on
+# the brightness reward.
 STEPS ?=
 OUT ?= outputs/demo
 WORLD ?= shapes

@@ -5,8 +5,9 @@
 #   WORLD=shapes STEPS=100 OUT=outputs/demo scripts/demo.sh [trainer overrides...]
 # WORLD=shapes (default): the pretrained shapes-world model learns to draw what the prompt asks
 # (held-out strict accuracy in eval.csv); WORLD=video: the pretrained moving-shapes Wan model learns
-# to move its shape the way the prompt asks (direction accuracy in eval.csv); WORLD=brightness: the
-# random tiny model, brightness reward.
+# to move its shape the way the prompt asks (direction accuracy in eval.csv); WORLD=edit: the pretrained
+# Qwen-Image-Edit model learns to edit a scene as its instruction asks (held-out strict accuracy in
+# eval.csv); WORLD=brightness: the random tiny model, brightness reward.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,8 +18,9 @@ WORLD=${WORLD:-shapes}
 case "$WORLD" in
   shapes) APP_CONFIG=shapes_rollout; TRAINER_CONFIG=trainer/shapes ;;
   video) APP_CONFIG=motion_rollout; TRAINER_CONFIG=trainer/motion ;;
+  edit) APP_CONFIG=edit_rollout; TRAINER_CONFIG=trainer/edit ;;
   brightness) APP_CONFIG=diffusion_rollout; TRAINER_CONFIG=trainer/flowgrpo ;;
-  *) echo "demo: unknown WORLD=$WORLD (shapes, video or brightness)"; exit 2 ;;
+  *) echo "demo: unknown WORLD=$WORLD (shapes, video, edit or brightness)"; exit 2 ;;
 esac
 OUT=${OUT:-outputs/demo-$(date +%Y%m%d-%H%M%S)}
 # On loopback, with token authentication (a fresh token per run unless one is given): see
