@@ -32,6 +32,7 @@ import torch
 
 from serve_app.imports import import_object
 from serve_app.rewards import TOTAL_KEY
+from serve_app.schemas import ImagePrompt
 from serve_app.trainer.outputs import MetricsLog, save_image_grid
 from serve_app.trainer.statistics import bootstrap_interval, cluster_bootstrap_interval
 
@@ -84,11 +85,13 @@ class Evaluator(abc.ABC):
         for text prompts."""
         return None
 
-    def score(self, images: torch.Tensor, prompts: list[str]) -> SplitScores:
+    def score(self, images: torch.Tensor, prompts: list[str], *,
+              input_images: list[list[torch.Tensor]] | None = None) -> SplitScores:
         """Metrics of uint8 images [N, 3, H, W], one prompt each (beyond the reward mean)."""
         return SplitScores()
 
-    def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str) -> None:
+    def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str,
+                  input_images: list[list[torch.Tensor]] | None = None) -> None:
         save_image_grid(images, path, columns=columns)
 
     def plot(self, rows: list[dict[str, Any]], out: Path) -> None:
@@ -120,16 +123,21 @@ class Evaluator(abc.ABC):
 
 
 class RewardEvaluator(Evaluator):
-    """The configured reward on `prompts` (default: the first step's trainer prompts), with its paired change
-    against the first evaluation."""
+    """The configured reward on `prompts` (default: the first step's trainer prompts, with their input images
+    when the prompt source gives them), with its paired change against the first evaluation."""
 
     paired = True
 
     def __init__(self, config: TrainerRunConfig, *, prompts: list[str] | None = None) -> None:
-        self._prompts = list(prompts or config.trainer.prompts[: config.trainer.prompts_per_step])
+        chosen = list(prompts or config.trainer.training_prompts()[: config.trainer.prompts_per_step])
+        self._prompts = [p.text if isinstance(p, ImagePrompt) else p for p in chosen]
+        self._images = [list(p.images) for p in chosen] if isinstance(chosen[0], ImagePrompt) else None
 
     def splits(self) -> dict[str, list[str]]:
         return {"fixed": self._prompts}
+
+    def input_images(self, split: str) -> list[list[torch.Tensor]] | None:
+        return self._images
 
 
 def build_evaluator(config: TrainerRunConfig) -> Evaluator:

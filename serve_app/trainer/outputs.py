@@ -6,9 +6,11 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from serve_app.rewards import TOTAL_KEY
@@ -107,6 +109,32 @@ def save_image_grid(images: torch.Tensor, path: Path, *, columns: int) -> None:
         r, c = divmod(i, columns)
         grid[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = images[i]
     Image.fromarray(grid.permute(1, 2, 0).contiguous().numpy()).save(path)
+
+
+def save_captioned_grid(pictures: Sequence[np.ndarray], captions: Sequence[str], passed: Sequence[bool], path: Path, *,
+                        columns: int, cell_inches: tuple[float, float], fontsize: float = 5.5, title: str = "",
+                        title_size: float = 9) -> Path:
+    """Pictures (uint8 [H, W, 3]) in a grid of `columns`, each captioned, green when it `passed` and red when
+    not (the worlds' evaluation grids)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = -(-len(pictures) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(cell_inches[0] * columns, cell_inches[1] * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, picture, caption, ok in zip(axes.flat, pictures, captions, passed):
+        ax.imshow(picture, interpolation="nearest")
+        ax.set_title(caption, fontsize=fontsize, color="darkgreen" if ok else "darkred")
+    if title:
+        fig.suptitle(title, fontsize=title_size)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 def metrics_row(step: int, batch: TrajectoryBatch, stats: UpdateStats, *, inner_epochs: int, sample_s: float,

@@ -12,7 +12,7 @@ from serve_app.flowgrpo.seeding import group_layout
 from serve_app.rewards import TOTAL_KEY
 from serve_app.rewards.registry import declares_input_images
 from serve_app.trainer.config import load_trainer_config
-from serve_app.trainer.evaluation import RunEvaluator
+from serve_app.trainer.evaluation import RewardEvaluator, RunEvaluator
 from serve_app.worlds.edit import parse_instruction
 from serve_app.worlds.edit.evaluation import EditEvaluator, eval_examples, train_prompts
 from serve_app.worlds.edit.rewards import edit_partial, edit_strict
@@ -93,3 +93,13 @@ def test_the_trainer_prompts_carry_their_source_images():
     assert all(torch.equal(a.images[0], b.images[0]) for a, b in zip(prompts, again, strict=True))
     assert len({p.images[0].numpy().tobytes() for p in again}) > len(again) // 2
     assert isinstance(EditEvaluator(config, splits=["train"]).input_images("train")[0][0], torch.Tensor)
+
+
+def test_the_default_evaluator_sends_its_prompts_images():
+    config = load_trainer_config("trainer/edit")
+    evaluator = RewardEvaluator(config)
+    first = config.trainer.training_prompts()[: config.trainer.prompts_per_step]
+    assert evaluator.splits() == {"fixed": [p.text for p in first]}
+    sent = evaluator.input_images("fixed")
+    assert len(sent) == 8 and all(torch.equal(s[0], p.images[0]) for s, p in zip(sent, first, strict=True))
+    assert RewardEvaluator(load_trainer_config("trainer/flowgrpo")).input_images("fixed") is None

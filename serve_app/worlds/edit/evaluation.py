@@ -19,7 +19,8 @@ import torch
 
 from serve_app.schemas import ImagePrompt
 from serve_app.trainer.evaluation import SplitScores
-from serve_app.worlds.shapes.evaluation import ShapesEvaluator, accuracy_intervals, plot_accuracy
+from serve_app.trainer.outputs import save_captioned_grid
+from serve_app.worlds.shapes.evaluation import ShapesEvaluator, accuracy_intervals, column_means, plot_accuracy
 
 from .checker import EditVerdict, check_edit
 from .instructions import EditExample, edit_examples, split_instructions
@@ -79,7 +80,7 @@ def per_image(found: Sequence[EditVerdict]) -> dict[str, list[float]]:
 
 
 def summarize(found: Sequence[EditVerdict]) -> dict[str, float]:
-    return {column: sum(values) / len(values) for column, values in per_image(found).items()}
+    return column_means(per_image(found))
 
 
 def verdict_label(verdict: EditVerdict) -> str:
@@ -94,33 +95,24 @@ def verdict_label(verdict: EditVerdict) -> str:
 def save_edit_grid(images: torch.Tensor | np.ndarray, prompts: Sequence[str], sources: Sequence[torch.Tensor],
                    path: str | Path, *, columns: int, title: str = "") -> Path:
     """Each edit beside its source (a black bar between), captioned with the instruction and the verdict."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     arrays = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
-    found = verdicts(arrays, prompts, [np.asarray(s) for s in sources])
-    rows = -(-len(arrays) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 1.75 * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, edit, source, prompt, verdict in zip(axes.flat, arrays, sources, prompts, found):
-        source = np.asarray(source)
-        bar = np.zeros((3, source.shape[1], 2), dtype=np.uint8)
-        ax.imshow(np.concatenate([source, bar, edit], axis=2).transpose(1, 2, 0), interpolation="nearest")
-        ax.set_title(f"{prompt}\n{verdict_label(verdict)}", fontsize=5.5, color="darkgreen" if verdict.strict else "darkred")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    originals = [np.asarray(s) for s in sources]
+    found = verdicts(arrays, prompts, originals)
+    pairs = [np.concatenate([s, np.zeros((3, s.shape[1], 2), dtype=np.uint8), e], axis=2).transpose(1, 2, 0)
+             for s, e in zip(originals, arrays)]
+    return save_captioned_grid(pairs, [f"{p}\n{verdict_label(v)}" for p, v in zip(prompts, found)],
+                               [v.strict for v in found], Path(path), columns=columns, cell_inches=(2.6, 1.75),
+                               title=title)
 
 
 def score_edits(images: torch.Tensor | np.ndarray, prompts: Sequence[str], sources: Sequence[Any]) -> dict[str, float]:
     return summarize(verdicts(images, prompts, sources))
+
+
+def _sources(input_images: list[list[torch.Tensor]] | None) -> list[torch.Tensor]:
+    if input_images is None or any(len(sources) != 1 for sources in input_images):
+        raise ValueError("an edit is scored against its one source image (input_images, one list per image)")
+    return [sources[0] for sources in input_images]
 
 
 class EditEvaluator(ShapesEvaluator):
@@ -145,15 +137,15 @@ class EditEvaluator(ShapesEvaluator):
     def input_images(self, split: str) -> list[list[torch.Tensor]]:
         return [list(p.images) for p in self._examples[split]]
 
-    def score(self, images: torch.Tensor, prompts: list[str], *,  # type: ignore[override]
-              input_images: list[list[torch.Tensor]]) -> SplitScores:
-        found = verdicts(images, prompts, [sources[0] for sources in input_images])
+    def score(self, images: torch.Tensor, prompts: list[str], *,
+              input_images: list[list[torch.Tensor]] | None = None) -> SplitScores:
+        found = verdicts(images, prompts, _sources(input_images))
         values = per_image(found)
         return SplitScores(summarize(found) | accuracy_intervals(values), values["strict_accuracy"])
 
-    def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str,  # type: ignore[override]
-                  input_images: list[list[torch.Tensor]]) -> None:
-        save_edit_grid(images, prompts, [sources[0] for sources in input_images], path, columns=columns, title=title)
+    def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str,
+                  input_images: list[list[torch.Tensor]] | None = None) -> None:
+        save_edit_grid(images, prompts, _sources(input_images), path, columns=columns, title=title)
 
     def plot(self, rows: list[dict[str, Any]], out: Path) -> None:
         plot_accuracy(rows, out / "eval_accuracy.png", columns=EVAL_COLUMNS)

@@ -22,15 +22,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from transformers import AutoTokenizer
 
 from serve_app.models.pixel_vae import PixelPatchVAE, save_pixel_space_pipeline
 from serve_app.models.registry import EmbeddedModel
-from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder, qwen_image_transformer
 from serve_app.models.tiny_qwen_image_edit import tiny_vl_processor
 from serve_app.models.tokenizer import build_word_level_tokenizer
-from serve_app.worlds.shapes.model import SHAPES_QWEN_IMAGE, ShapesModelSpec
+from serve_app.worlds.shapes.model import SHAPES_QWEN_IMAGE, ShapesModelSpec, build_parts, static_shift_scheduler
 
 __all__ = ["EDIT_QWEN_IMAGE", "VISION_TOKENS", "build_edit_qwen_image", "build_edit_tokenizer"]
 
@@ -86,29 +85,11 @@ def build_edit_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: Pa
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id"),
                    tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
-    with torch.device("cpu"):
-        torch.manual_seed(seed)
-        transformer = qwen_image_transformer(z_dim=3 * spec.vae_patch_size**2, layers=spec.layers, heads=spec.heads,
-                                             head_dim=spec.head_dim, text_dim=spec.text_dim, rope_axes=spec.rope_axes)
-        torch.manual_seed(seed + 1)
-        text_encoder = qwen25vl_text_encoder(
-            vocab_size=len(tokenizer), hidden_size=spec.text_dim, layers=spec.text_layers, heads=spec.text_heads,
-            mrope_section=spec.text_mrope, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-            bos_id=tokenizer.pad_token_id, max_positions=256, rope_theta=10_000.0, vision_patch_size=2,
-            vision_token_ids=ids,
-        )
+    transformer, text_encoder = build_parts(spec, tokenizer, seed=seed, vision_patch_size=2, vision_token_ids=ids)
     if warm_start:
         _warm_start(text_encoder, tokenizer, transformer)
-    pipe = QwenImageEditPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            **{**QWEN_IMAGE_SCHEDULER_CONFIG, "use_dynamic_shifting": False, "shift": spec.schedule_shift,
-               "shift_terminal": None}
-        ),
-        vae=PixelPatchVAE(patch_size=spec.vae_patch_size),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        processor=tiny_vl_processor(tokenizer),
-        transformer=transformer,
-    )
+    pipe = QwenImageEditPipeline(scheduler=static_shift_scheduler(spec), vae=PixelPatchVAE(patch_size=spec.vae_patch_size),
+                                 text_encoder=text_encoder, tokenizer=tokenizer, processor=tiny_vl_processor(tokenizer),
+                                 transformer=transformer)
     save_pixel_space_pipeline(pipe, out_dir)
     return pipe

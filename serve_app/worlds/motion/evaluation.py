@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve_app.worlds.shapes.evaluation import ShapesEvaluator, accuracy_intervals, plot_accuracy
 from serve_app.trainer.evaluation import SplitScores
+from serve_app.trainer.outputs import save_captioned_grid
+from serve_app.worlds.shapes.evaluation import ShapesEvaluator, accuracy_intervals, column_means, plot_accuracy
 
 from .checker import MotionVerdict, check_video
 from .scene import parse_prompt, split_prompts
@@ -64,14 +65,9 @@ def per_video(found: Sequence[MotionVerdict]) -> dict[str, list[float]]:
     }
 
 
-def means(per_sample: dict[str, list[float]]) -> dict[str, float]:
-    """Each column's mean over the videos."""
-    return {column: sum(values) / len(values) for column, values in per_sample.items()}
-
-
 def score_videos(videos: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, float]:
     """Mean of every EVAL_COLUMNS figure over the videos."""
-    return means(per_video(verdicts(videos, prompts)))
+    return column_means(per_video(verdicts(videos, prompts)))
 
 
 def word_order_gap(policy, subject: str = "red circle") -> float:
@@ -101,30 +97,12 @@ def save_filmstrips(videos: torch.Tensor | np.ndarray, prompts: Sequence[str], p
                     title: str = "") -> Path:
     """Each video as a filmstrip (its frames left to right), captioned with its prompt and the verdict
     (green when the direction is right); ``columns`` videos a row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     arrays = videos.detach().cpu().numpy() if isinstance(videos, torch.Tensor) else np.asarray(videos)
     found = verdicts(arrays, prompts)
-    rows = -(-len(arrays) // columns)
-    frames = arrays.shape[1]
-    fig, axes = plt.subplots(rows, columns, figsize=(0.55 * frames * columns, 0.95 * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, video, prompt, verdict in zip(axes.flat, arrays, prompts, found):
-        strip = np.concatenate(list(video.transpose(0, 2, 3, 1)), axis=1)  # [H, F W, 3]
-        ax.imshow(strip, interpolation="nearest")
-        ax.set_title(f"{prompt} | {verdict_label(verdict)}", fontsize=5,
-                     color="darkgreen" if verdict.direction_ok else "darkred")
-    if title:
-        fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    strips = [np.concatenate(list(video.transpose(0, 2, 3, 1)), axis=1) for video in arrays]  # [H, F W, 3] each
+    return save_captioned_grid(strips, [f"{p} | {verdict_label(v)}" for p, v in zip(prompts, found)],
+                               [v.direction_ok for v in found], Path(path), columns=columns,
+                               cell_inches=(0.55 * arrays.shape[1], 0.95), fontsize=5, title=title, title_size=8)
 
 
 class MotionEvaluator(ShapesEvaluator):
@@ -141,7 +119,7 @@ class MotionEvaluator(ShapesEvaluator):
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> SplitScores:
         values = per_video(verdicts(images, prompts))
-        return SplitScores(means(values) | accuracy_intervals(values), values[self.headline])
+        return SplitScores(column_means(values) | accuracy_intervals(values), values[self.headline])
 
     def save_grid(self, images: torch.Tensor, prompts: list[str], path: Path, *, columns: int, title: str) -> None:
         save_filmstrips(images, prompts, path, columns=columns, title=title)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from serve_app.trainer.evaluation import CONFIDENCE, Evaluator, SplitScores
+from serve_app.trainer.outputs import save_captioned_grid
 from serve_app.trainer.statistics import bootstrap_interval, wilson_interval
 
 from .checker import Verdict, check
@@ -71,7 +72,12 @@ def per_image(found: Sequence[Verdict]) -> dict[str, list[float]]:
 
 def summarize(found: Sequence[Verdict]) -> dict[str, float]:
     """Mean strict accuracy, partial score and sub-score accuracies over verdicts."""
-    return {column: sum(values) / len(values) for column, values in per_image(found).items()}
+    return column_means(per_image(found))
+
+
+def column_means(per_sample: dict[str, list[float]]) -> dict[str, float]:
+    """Each column's mean over the samples."""
+    return {column: sum(values) / len(values) for column, values in per_sample.items()}
 
 
 def intervals(found: Sequence[Verdict], *, confidence: float = CONFIDENCE) -> dict[str, float]:
@@ -109,28 +115,11 @@ def verdict_label(verdict: Verdict) -> str:
 def save_labelled_grid(images: torch.Tensor | np.ndarray, prompts: Sequence[str], path: str | Path, *,
                        columns: int, title: str = "") -> Path:
     """A grid of images, each captioned with its prompt and the checker's verdict (green OK, red not)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     arrays = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
     found = verdicts(arrays, prompts)
-    rows = -(-len(arrays) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(1.9 * columns, 2.15 * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, image, prompt, verdict in zip(axes.flat, arrays, prompts, found):
-        ax.imshow(image.transpose(1, 2, 0), interpolation="nearest")
-        ax.set_title(f"{prompt}\n{verdict_label(verdict)}", fontsize=5.5,
-                     color="darkgreen" if verdict.strict else "darkred")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_captioned_grid([a.transpose(1, 2, 0) for a in arrays],
+                               [f"{p}\n{verdict_label(v)}" for p, v in zip(prompts, found)], [v.strict for v in found],
+                               Path(path), columns=columns, cell_inches=(1.9, 2.15), title=title)
 
 
 def train_prompts() -> list[str]:

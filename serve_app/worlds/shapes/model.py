@@ -28,7 +28,8 @@ from serve_app.models.registry import EmbeddedModel
 from serve_app.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, qwen25vl_text_encoder, qwen_image_transformer
 from serve_app.models.tokenizer import build_word_level_tokenizer
 
-__all__ = ["SHAPES_QWEN_IMAGE", "ShapesModelSpec", "build_shapes_qwen_image", "build_shapes_tokenizer"]
+__all__ = ["SHAPES_QWEN_IMAGE", "ShapesModelSpec", "build_parts", "build_shapes_qwen_image", "build_shapes_tokenizer",
+           "static_shift_scheduler"]
 
 # The pretrained checkpoint shipped in the repo (its README has the command, config and figures);
 # configs/model/shapes_qwen_image.yaml names it as `embedded: serve_app.worlds.shapes.model:SHAPES_QWEN_IMAGE`.
@@ -68,33 +69,37 @@ def build_shapes_tokenizer(qwen2_dir: Path, out_dir: Path) -> Path:
     return build_word_level_tokenizer(qwen2_dir, out_dir, _vocabulary_texts())
 
 
-def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: Path, seed: int = 0) -> QwenImagePipeline:
-    """Builds the untrained pipeline (fixed seed), saves it to ``out_dir`` and returns it."""
+def build_parts(spec: ShapesModelSpec, tokenizer, *, seed: int, **text_encoder_args) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The untrained (transformer, text encoder) of ``spec`` over ``tokenizer``'s vocabulary, seeded;
+    ``text_encoder_args`` go to ``qwen25vl_text_encoder`` (an edit model's vision tower)."""
     if sum(spec.rope_axes) != spec.head_dim:
         raise ValueError(f"rope_axes {spec.rope_axes} must sum to head_dim {spec.head_dim}")
-    out_dir = Path(out_dir)
-    tokenizer_dir = build_shapes_tokenizer(qwen2_dir, out_dir / "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    z_dim = 3 * spec.vae_patch_size**2
     with torch.device("cpu"):
         torch.manual_seed(seed)
-        transformer = qwen_image_transformer(z_dim=z_dim, layers=spec.layers, heads=spec.heads, head_dim=spec.head_dim,
-                                             text_dim=spec.text_dim, rope_axes=spec.rope_axes)
+        transformer = qwen_image_transformer(z_dim=3 * spec.vae_patch_size**2, layers=spec.layers, heads=spec.heads,
+                                             head_dim=spec.head_dim, text_dim=spec.text_dim, rope_axes=spec.rope_axes)
         torch.manual_seed(seed + 1)
         text_encoder = qwen25vl_text_encoder(
             vocab_size=len(tokenizer), hidden_size=spec.text_dim, layers=spec.text_layers, heads=spec.text_heads,
             mrope_section=spec.text_mrope, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-            bos_id=tokenizer.pad_token_id, max_positions=256, rope_theta=10_000.0,
+            bos_id=tokenizer.pad_token_id, max_positions=256, rope_theta=10_000.0, **text_encoder_args,
         )
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            **{**QWEN_IMAGE_SCHEDULER_CONFIG, "use_dynamic_shifting": False, "shift": spec.schedule_shift,
-               "shift_terminal": None}
-        ),
-        vae=PixelPatchVAE(patch_size=spec.vae_patch_size),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
+    return transformer, text_encoder
+
+
+def static_shift_scheduler(spec: ShapesModelSpec) -> FlowMatchEulerDiscreteScheduler:
+    """Qwen-Image's scheduler with ``spec.schedule_shift`` in place of its resolution-dependent shift."""
+    return FlowMatchEulerDiscreteScheduler(**{**QWEN_IMAGE_SCHEDULER_CONFIG, "use_dynamic_shifting": False,
+                                              "shift": spec.schedule_shift, "shift_terminal": None})
+
+
+def build_shapes_qwen_image(out_dir: Path, spec: ShapesModelSpec, *, qwen2_dir: Path, seed: int = 0) -> QwenImagePipeline:
+    """Builds the untrained pipeline (fixed seed), saves it to ``out_dir`` and returns it."""
+    out_dir = Path(out_dir)
+    tokenizer_dir = build_shapes_tokenizer(qwen2_dir, out_dir / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    transformer, text_encoder = build_parts(spec, tokenizer, seed=seed)
+    pipe = QwenImagePipeline(scheduler=static_shift_scheduler(spec), vae=PixelPatchVAE(patch_size=spec.vae_patch_size),
+                             text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
     save_pixel_space_pipeline(pipe, out_dir)
     return pipe
