@@ -55,3 +55,15 @@ def test_a_few_steps_lower_the_loss_and_save_a_loadable_edit_pipeline(tmp_path, 
     tokens[0].images = [torch.zeros(3, 32, 32, dtype=torch.uint8)]
     params = SamplingParams(num_steps=2, guidance_scale=1.0, sde_window_size=None, seed=0)
     assert sample_group(policy, tokens, 2, params, policy_version=0).images.shape == (2, 3, 32, 32)
+
+
+def test_the_same_seed_gives_the_same_weights(tmp_path, flowgrpo_home):
+    from safetensors.torch import load_file
+
+    from serve_app.models import ensure_qwen2_tokenizer
+
+    config = load_pretrain_config("edit/pretrain", [*MINIATURE, "steps=2", "eval.every=0"])
+    for run in ("a", "b"):
+        pretrain(config, tmp_path / run, qwen2_dir=ensure_qwen2_tokenizer(), log=lambda line: None)
+    a, b = (load_file(tmp_path / run / "transformer" / "diffusion_pytorch_model.safetensors") for run in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
