@@ -259,6 +259,18 @@ class ImagePrompt:
     images: tuple[torch.Tensor, ...]
 
 
+def split_image_prompts(prompts: Sequence[str | ImagePrompt]) -> tuple[list[str], list[list[torch.Tensor]] | None]:
+    """(texts, each prompt's input images) of strings or ImagePrompts; None for strings. Raises ValueError
+    for a mix: a request's prompts all carry images or none do."""
+    with_images = [isinstance(p, ImagePrompt) for p in prompts]
+    if any(with_images) and not all(with_images):
+        raise ValueError("prompts with and without input images")
+    texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
+    if not any(with_images):
+        return texts, None
+    return texts, [list(p.images) for p in prompts]  # type: ignore[union-attr]
+
+
 @dataclass
 class PromptTokens:
     """One prompt after the ingress: its text, per tokenizer of the family 1-D token ids, and its input

@@ -69,3 +69,14 @@ def test_sampling_overrides_are_all_optional_and_merge_once():
     assert (merged.num_steps, merged.sde_window_size, merged.noise_level) == (4, None, SamplingParams().noise_level)
     with pytest.raises(ValueError, match="Extra inputs"):
         SamplingOverrides.model_validate({"nosie_level": 1})
+
+
+def test_image_prompts_split_into_texts_and_their_images():
+    from serve_app.schemas import ImagePrompt, split_image_prompts
+
+    image = torch.zeros(3, 8, 8, dtype=torch.uint8)
+    assert split_image_prompts(["a cat", "a dog"]) == (["a cat", "a dog"], None)
+    texts, images = split_image_prompts([ImagePrompt("make it red", (image,)), ImagePrompt("add a hat", (image, image))])
+    assert texts == ["make it red", "add a hat"] and [len(i) for i in images] == [1, 2]
+    with pytest.raises(ValueError, match="with and without input images"):
+        split_image_prompts(["a cat", ImagePrompt("make it red", (image,))])

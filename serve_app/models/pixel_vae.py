@@ -139,5 +139,7 @@ def save_pixel_space_pipeline(pipe: Any, out_dir: Path, *, dtype: torch.dtype | 
     index = json.loads(index_file.read_text())
     index["vae"] = [type(pipe.vae).__module__, type(pipe.vae).__name__]
     if getattr(pipe, "processor", None) is not None:
-        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        from .vl_processor import RELEASED_PROCESSOR_CLASS
+
+        index["processor"] = RELEASED_PROCESSOR_CLASS
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

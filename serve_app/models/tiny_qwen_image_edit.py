@@ -22,7 +22,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tiny_qwen_image import _SPECS, _TEXT_VOCAB_SIZE, QWEN_IMAGE_SCHEDULER_CONFIG, _transformer, _vae, qwen25vl_text_encoder
 from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID
-from .vl_processor import Qwen2VLImageOnlyProcessor
+from .vl_processor import RELEASED_PROCESSOR_CLASS, Qwen2VLImageOnlyProcessor
 from .tokenizer_cache import load_tokenizer
 
 __all__ = ["TINY_INPUT_IMAGE_AREA", "build_tiny_qwen_image_edit", "qwen_image_edit_pipeline", "tiny_vl_processor"]
@@ -81,6 +81,6 @@ def build_tiny_qwen_image_edit(out_dir: Path, *, seed: int = 0, tokenizer_dir: P
         out = save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer", "processor"])
     index_file = out / "model_index.json"
     index = json.loads(index_file.read_text())
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index["processor"] = RELEASED_PROCESSOR_CLASS
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out

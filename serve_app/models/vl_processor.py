@@ -13,7 +13,10 @@ from typing import Any
 from transformers import Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-__all__ = ["Qwen2VLImageOnlyProcessor"]
+__all__ = ["RELEASED_PROCESSOR_CLASS", "Qwen2VLImageOnlyProcessor"]
+
+# How a released Qwen-Image-Edit checkout's model_index.json names its processor; ours are saved the same way.
+RELEASED_PROCESSOR_CLASS = ["transformers", "Qwen2VLProcessor"]
 
 
 class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):

@@ -17,7 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from serve_app.config import RolloutConfig, Section, load_config
 from serve_app.imports import import_object
-from serve_app.schemas import ImagePrompt
+from serve_app.schemas import ImagePrompt, split_image_prompts
 
 
 class LoraSection(Section):
@@ -154,23 +154,23 @@ class TrainerSection(Section):
         "When replicas share the trainer's cores, fewer threads stop the update from preempting the rollout.",
     )
     rollout_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one rollout request.")
-    # The input images of `prompts`, one tuple per prompt, when the prompt source gave ImagePrompts.
-    _prompt_images: list[tuple[Any, ...]] | None = PrivateAttr(None)
+    # The prompt source's ImagePrompts (the texts are `prompts`), when it gave prompts with input images.
+    _image_prompts: list[ImagePrompt] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
         if self.prompt_source is not None:
             source = import_object(self.prompt_source, what="prompt source")
             prompts = list(source() if callable(source) else source)
-            texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
+            try:
+                texts, images = split_image_prompts(prompts)
+            except ValueError as exc:
+                raise ValueError(f"prompt_source {self.prompt_source!r} gave {exc}") from None
             if not prompts or not all(isinstance(t, str) and t.strip() for t in texts):
                 raise ValueError(f"prompt_source {self.prompt_source!r} gave no prompts, or not only non-empty strings "
                                  "and ImagePrompts")
-            with_images = [isinstance(p, ImagePrompt) for p in prompts]
-            if any(with_images) and not all(with_images):
-                raise ValueError(f"prompt_source {self.prompt_source!r} gave prompts with and without input images")
             self.prompts = texts
-            self._prompt_images = [p.images for p in prompts] if all(with_images) else None
+            self._image_prompts = None if images is None else prompts
         if self.prompts_per_step > len(self.prompts):
             raise ValueError(
                 f"trainer.prompts_per_step ({self.prompts_per_step}) exceeds the {len(self.prompts)} trainer.prompts"
@@ -186,12 +186,9 @@ class TrainerSection(Section):
                              "(the EMA of sharded weights is not implemented); use ddp or ema_decay null")
         return self
 
-
     def training_prompts(self) -> list[str] | list[ImagePrompt]:
         """The prompts in their order: strings, or ImagePrompts when the prompt source gave input images."""
-        if self._prompt_images is None:
-            return list(self.prompts)
-        return [ImagePrompt(text, images) for text, images in zip(self.prompts, self._prompt_images, strict=True)]
+        return list(self.prompts if self._image_prompts is None else self._image_prompts)
 
 
 class TrainerRunConfig(RolloutConfig):

@@ -32,7 +32,7 @@ import torch
 
 from serve_app.imports import import_object
 from serve_app.rewards import TOTAL_KEY
-from serve_app.schemas import ImagePrompt
+from serve_app.schemas import split_image_prompts
 from serve_app.trainer.outputs import MetricsLog, save_image_grid
 from serve_app.trainer.statistics import bootstrap_interval, cluster_bootstrap_interval
 
@@ -129,9 +129,8 @@ class RewardEvaluator(Evaluator):
     paired = True
 
     def __init__(self, config: TrainerRunConfig, *, prompts: list[str] | None = None) -> None:
-        chosen = list(prompts or config.trainer.training_prompts()[: config.trainer.prompts_per_step])
-        self._prompts = [p.text if isinstance(p, ImagePrompt) else p for p in chosen]
-        self._images = [list(p.images) for p in chosen] if isinstance(chosen[0], ImagePrompt) else None
+        self._prompts, self._images = split_image_prompts(
+            prompts or config.trainer.training_prompts()[: config.trainer.prompts_per_step])
 
     def splits(self) -> dict[str, list[str]]:
         return {"fixed": self._prompts}

@@ -30,7 +30,7 @@ import torch
 
 from serve_app.errors import PolicyVersionError
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.schemas import ImagePrompt, SamplingParams, TrajectoryBatch
+from serve_app.schemas import ImagePrompt, SamplingParams, TrajectoryBatch, split_image_prompts
 from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
 from serve_app.trainer.config import TrainerRunConfig
 from serve_app.trainer.ema import averaged_weights
@@ -213,11 +213,10 @@ class FlowGRPOTrainer:
 
     def _request_rollout(self, index: int, version: int) -> TrajectoryBatch:
         """Rollout `index` (its prompts and seed) pinned to `version`; runs on a pipeline thread."""
-        prompts = self._prompts(index)
-        images = {"images": [list(p.images) for p in prompts]} if isinstance(prompts[0], ImagePrompt) else {}
+        texts, images = split_image_prompts(self._prompts(index))
         return self.client.rollout(
-            [p.text if isinstance(p, ImagePrompt) else p for p in prompts], self.cfg.group_size, sampling=self.sampling,
-            policy_version=version, seed=self._request_seed(index), timeout_s=self.cfg.rollout_timeout_s, **images,
+            texts, self.cfg.group_size, sampling=self.sampling, policy_version=version, seed=self._request_seed(index),
+            timeout_s=self.cfg.rollout_timeout_s, **({} if images is None else {"images": images}),
         )
 
     def _prompts(self, step: int) -> list[str] | list[ImagePrompt]:

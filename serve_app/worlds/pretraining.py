@@ -32,7 +32,7 @@ from serve_app.models.pixel_vae import save_pixel_space_pipeline
 from serve_app.schemas import PromptEmbeds, PromptTokens
 from serve_app.trainer.ema import EMAModel, averaged_weights
 
-__all__ = ["EvalSettings", "FlowPretrainSettings", "evaluate_splits", "ode_samples", "pretrain_flow_model", "pretrain_main",
+__all__ = ["EvalSettings", "FlowPretrainSettings", "evaluate_splits", "ode_sample_batch", "ode_samples", "pretrain_flow_model", "pretrain_main",
            "pretrain_world", "rectified_flow_loss", "save_checkpoint"]
 
 
@@ -171,19 +171,26 @@ def pretrain_main(doc: str, default_config: str, load: Callable[..., FlowPretrai
     print(json.dumps({"out": str(args.out), "minutes": (time.perf_counter() - started) / 60, "final": entries[-1]["eval"]}))
 
 
-def ode_samples(policy: Any, prompts: Sequence[str], settings: EvalSettings, *, size: int,
-                num_frames: int = 1) -> tuple[torch.Tensor, list[str]]:
-    """ODE samples (fixed seeds, ``settings.samples_per_prompt`` of every prompt): the uint8 samples and
-    each one's prompt."""
+def ode_sample_batch(policy: Any, tokens: Sequence[PromptTokens], settings: EvalSettings, *, size: int,
+                     num_frames: int = 1) -> Any:
+    """ODE samples (fixed seeds, ``settings.samples_per_prompt`` of every prompt) of tokenized prompts (with
+    their input images, for an image-conditioned model): the sampled Trajectory."""
     from serve_app.flowgrpo.sampler import sample_group
     from serve_app.schemas import SamplingParams
 
     params = SamplingParams(height=size, width=size, num_frames=num_frames, num_steps=settings.num_steps,
                             noise_level=0.0, sde_type="ode", sde_window_size=None,
                             guidance_scale=settings.guidance_scale, seed=settings.seed)
+    return sample_group(policy, list(tokens), settings.samples_per_prompt, params, policy_version=0)
+
+
+def ode_samples(policy: Any, prompts: Sequence[str], settings: EvalSettings, *, size: int,
+                num_frames: int = 1) -> tuple[torch.Tensor, list[str]]:
+    """ODE samples (fixed seeds, ``settings.samples_per_prompt`` of every prompt): the uint8 samples and
+    each one's prompt."""
     prompts = list(prompts)
-    batch = sample_group(policy, policy.text_processor().tokenize(prompts), settings.samples_per_prompt, params,
-                         policy_version=0)
+    batch = ode_sample_batch(policy, policy.text_processor().tokenize(prompts), settings, size=size,
+                             num_frames=num_frames)
     return batch.images, [prompts[i] for i in batch.prompt_index.tolist()]
 
 

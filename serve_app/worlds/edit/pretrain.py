@@ -23,8 +23,7 @@ import torch
 from pydantic import Field
 
 from serve_app.config.loader import load_config
-from serve_app.schemas import PromptTokens
-from serve_app.worlds.pretraining import EvalSettings, FlowPretrainSettings, pretrain_main, pretrain_world
+from serve_app.worlds.pretraining import EvalSettings, FlowPretrainSettings, ode_sample_batch, pretrain_main, pretrain_world
 from serve_app.worlds.shapes.model import ShapesModelSpec
 
 from .evaluation import eval_examples, instructions, score_edits
@@ -63,17 +62,11 @@ class EditBatches:
 
 def edit_samples(policy, split: str, settings: EvalSettings, scenes_per_instruction: int):
     """ODE samples of a split's fixed evaluation prompts: (uint8 edits, their instructions, their sources)."""
-    from serve_app.flowgrpo.sampler import sample_group
-    from serve_app.schemas import SamplingParams
-
     examples = eval_examples(split, scenes_per_instruction)
     texts = [e.instruction.text() for e in examples]
     sources = [torch.from_numpy(e.source.render()) for e in examples]
     tokens = [replace(t, images=[s]) for t, s in zip(policy.text_processor().tokenize(texts), sources)]
-    params = SamplingParams(height=IMAGE_SIZE, width=IMAGE_SIZE, num_steps=settings.num_steps, noise_level=0.0,
-                            sde_type="ode", sde_window_size=None, guidance_scale=settings.guidance_scale,
-                            seed=settings.seed)
-    batch = sample_group(policy, tokens, settings.samples_per_prompt, params, policy_version=0)
+    batch = ode_sample_batch(policy, tokens, settings, size=IMAGE_SIZE)
     index = batch.prompt_index.tolist()
     return batch.images, [texts[i] for i in index], [sources[i] for i in index]
 
