@@ -16,6 +16,8 @@ from serve_app.serving.engine import load_engine as load_backend_engine
 from serve_app.serving.engine_contract import SamplingEngine
 from serve_app.errors import WeightMismatchError
 from serve_app.serving.options import check_running_options
+from serve_app.weights import LoraSpec, WeightKind
+from serve_app.weights.layout import Layout
 from serve_app.weights.replica import replica_name
 from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import ChunkHeader, RolloutChunk, Trajectory
@@ -94,6 +96,10 @@ class DiffusionReplica:
             self.step_seconds.observe(s.seconds_per_step, tags=self._tags)
             self.policy_version.set(s.policy_version, tags=self._tags)
         return results
+
+    def weight_layout(self, kind: WeightKind, lora: LoraSpec | None) -> Layout:
+        """{tensor name: shape} of a version of this replica's model (the ingress checks uploads against it)."""
+        return self.engine.weight_layout(kind, lora)
 
     async def prefetch_version(self, version: int) -> int:
         """Load a version ahead of the requests that pin it (the trainer may push to warm replicas)."""

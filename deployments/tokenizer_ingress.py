@@ -1,7 +1,9 @@
 """TokenizerIngress: the app's entry (HTTP and handle), a thin shell over the planner and the
 RolloutCoordinator (serve_app/serving): it gives the coordinator handle calls - a chunk sampled on some
 replica (re-run where its replica died), scored and collected by the aggregator. A chunk's images and
-transitions stay references here: only its header is read, and the HTTP answer fetches what it encodes."""
+transitions stay references here: only its header is read, and the HTTP answer fetches what it encodes.
+Its HTTP API (serve_app.serving.http_api) is built over this instance: the routes call the methods a handle
+caller calls."""
 
 from __future__ import annotations
 
@@ -9,9 +11,6 @@ import asyncio
 import logging
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
@@ -20,52 +19,28 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import RolloutConfig
-from serve_app.errors import InvalidRequestError, ReplicaUnavailableError, http_error
+from serve_app.errors import InvalidRequestError, ReplicaUnavailableError
 from serve_app.serving.options import check_running_options
 from serve_app.schemas import (
     BatchLayout,
     ChunkHeader,
-    ErrorResponse,
     GroupScores,
+    PublishedVersion,
     RolloutChunk,
     RolloutRequest,
-    RolloutResponse,
     SampledChunk,
     TrajectoryBatch,
+    VersionInfo,
+    VersionList,
 )
 from serve_app.serving.coordinator import RolloutCoordinator, Scoring
-from serve_app.serving.ingress import RolloutPlanner, to_response
-from serve_app.weights import open_weight_store
+from serve_app.serving.http_api import api_token, build_http_api
+from serve_app.serving.ingress import RolloutPlanner
+from serve_app.serving.uploads import WeightUploads
+from serve_app.weights import LoraSpec, WeightKind, open_weight_store
+from serve_app.weights.layout import Layout
 
 logger = logging.getLogger("ray.serve")
-
-api = FastAPI(
-    title="flowgrpo-serve",
-    description="FlowGRPO rollouts: groups of images with per-step log-probs, rewards and advantages.",
-)
-
-
-ERROR_RESPONSES = {
-    400: {"model": ErrorResponse, "description": "The body is not JSON (field: body)."},
-    409: {"model": ErrorResponse, "description": "The pinned policy version does not exist."},
-    413: {"model": ErrorResponse, "description": "More samples or work than the app's limits (field named)."},
-    422: {"model": ErrorResponse, "description": "A field is invalid (field named, with what is accepted)."},
-    502: {"model": ErrorResponse, "description": "A reward failed after its retries (reward, prompt and cause named)."},
-    503: {"model": ErrorResponse, "description": "Overloaded, or a chunk's replica died on every retry."},
-}
-
-
-@api.exception_handler(RequestValidationError)
-async def _invalid_json(_: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI's errors have pydantic's shape, with "body" in front of the field path; a body that is
-    # not JSON reports a character offset there, which means nothing to the caller.
-    first = exc.errors()[0]
-    if first["type"] == "json_invalid":
-        return JSONResponse(status_code=400, content=ErrorResponse(
-            error="malformed_json", field="body", message=f"the body is not valid JSON: {first['msg']}").model_dump())
-    error = InvalidRequestError.from_errors([{**first, "loc": tuple(p for p in first["loc"] if p != "body")}])
-    return JSONResponse(status_code=422, content=ErrorResponse(
-        error="invalid_request", field=error.field, message=error.message).model_dump())
 
 
 def _running_in_a_replica() -> bool:
@@ -77,7 +52,7 @@ def _running_in_a_replica() -> bool:
     return True
 
 
-@serve.ingress(api)
+@serve.ingress()  # the FastAPI app is built per replica, over this instance (__serve_build_asgi_app__)
 class TokenizerIngress:
     def __init__(self, replica: DeploymentHandle, aggregator: DeploymentHandle, config: RolloutConfig) -> None:
         from serve_app.policies import load_text_processor, model_dir
@@ -101,6 +76,11 @@ class TokenizerIngress:
         self.chunk_reruns = metrics.Counter(
             "flowgrpo_chunk_reruns", description="Chunks run again because their replica died."
         )
+        self.api_token = api_token(config.ingress)  # read once: a token the deploy names must exist now
+        self.uploads = WeightUploads(open_weight_store(config), self._weight_layout)
+
+    def __serve_build_asgi_app__(self):
+        return build_http_api(self, token=self.api_token, max_upload_bytes=self.config.weights.max_upload_bytes)
 
     async def planner(self) -> RolloutPlanner:
         """The planner, built on first use with the model geometry a replica reports (the ingress
@@ -192,19 +172,15 @@ class TokenizerIngress:
             self.requests.inc(tags={"outcome": outcome})
             self.latency.observe(time.perf_counter() - started)
 
-    @api.post("/v1/rollouts", response_model=RolloutResponse, response_model_exclude_none=True,
-              responses=ERROR_RESPONSES)
-    async def http_rollout(self, request: RolloutRequest):
-        try:
-            batch = await self.rollout(request)
-        except Exception as exc:
-            status, body = http_error(exc)
-            if status >= 500:
-                logger.exception("rollout request failed with %d", status)
-            return JSONResponse(status_code=status, content=body)
-        images = await batch.fetch_images_async() if request.return_images else None
-        return to_response(batch, images=images)
+    async def publish_weights(self, body: bytearray) -> PublishedVersion:
+        """A weight version from outside (POST /v1/weights; serve_app.serving.uploads), stored as the next one."""
+        return await self.uploads.publish(body)
 
-    @api.get("/healthz")
-    async def healthz(self) -> dict:
-        return {"status": "ok"}
+    async def weight_versions(self) -> VersionList:
+        return await asyncio.to_thread(self.uploads.versions)
+
+    async def weight_version(self, version: int) -> VersionInfo:
+        return await asyncio.to_thread(self.uploads.describe, version)
+
+    async def _weight_layout(self, kind: WeightKind, lora: LoraSpec | None) -> Layout:
+        return await self._on_a_replica(lambda: self.replica.weight_layout.remote(kind, lora), "reporting its weights")

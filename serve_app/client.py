@@ -76,27 +76,6 @@ class RolloutClient:
                 ) from None
         return self._handle
 
-    @staticmethod
-    def _request(
-        prompts: Sequence[str],
-        group_size: int,
-        sampling: Sampling | None,
-        policy_version: int | None,
-        seed: int | None,
-        images: Sequence[Any] | None = None,
-    ) -> RolloutRequest:
-        """Full SamplingParams travel whole (the trainer replays exactly what it asked for); overrides and
-        dicts carry only the fields they set, and the app's configured sampling fills the rest."""
-        fields: dict[str, Any] = {"prompts": list(prompts), "group_size": group_size, "policy_version": policy_version,
-                                  "seed": seed, "images": None if images is None else list(images)}
-        if isinstance(sampling, SamplingParams):
-            fields["sampling"] = sampling.model_dump()
-        elif isinstance(sampling, SamplingOverrides):
-            fields["sampling"] = sampling.model_dump(exclude_unset=True)
-        elif sampling is not None:
-            fields["sampling"] = sampling
-        return RolloutRequest.model_validate(fields)
-
     def rollout(
         self,
         prompts: Sequence[str],
@@ -108,16 +87,22 @@ class RolloutClient:
         images: Sequence[Any] | None = None,
         timeout_s: float | None = None,
         fetch: bool = True,
+        return_images: bool = False,
     ) -> TrajectoryBatch:
         """The batch of one request. With `fetch` (the trainer's case) its transitions are fetched into
         this process before it returns, inside the retry: a batch whose tensors were lost with their node is
-        asked for again. Without, nothing heavy is fetched until used (an evaluation reads images only).
+        asked for again; `return_images` fetches the images the same way. Without, nothing heavy is fetched
+        until used (an evaluation reads images only).
         `images`: an image-conditioned family's input images, per prompt a uint8 tensor [3, H, W] or a list."""
-        request = self._request(prompts, group_size, sampling, policy_version, seed, images)
+        request = RolloutRequest.of(prompts, group_size, sampling, policy_version, seed, images=images)
 
         def attempt() -> TrajectoryBatch:
             batch = self.handle.rollout.remote(request).result(timeout_s=timeout_s)
-            return batch.fetch() if fetch else batch
+            if fetch:
+                batch.fetch()
+            if return_images:
+                _ = batch.images
+            return batch
 
         return self.retry.call(attempt, retryable=lost_with_a_replica, on_retry=self._lost)
 
@@ -131,13 +116,18 @@ class RolloutClient:
         fetch: bool = True,
         *,
         images: Sequence[Any] | None = None,
+        return_images: bool = False,
     ) -> TrajectoryBatch:
         """:meth:`rollout` for asyncio code."""
-        request = self._request(prompts, group_size, sampling, policy_version, seed, images)
+        request = RolloutRequest.of(prompts, group_size, sampling, policy_version, seed, images=images)
 
         async def attempt() -> TrajectoryBatch:
             batch = await self.handle.rollout.remote(request)
-            return await batch.fetch_async() if fetch else batch
+            if fetch:
+                await batch.fetch_async()
+            if return_images:
+                await batch.fetch_images_async()
+            return batch
 
         return await self.retry.call_async(attempt, retryable=lost_with_a_replica, on_retry=self._lost)
 

@@ -74,6 +74,30 @@ class ReplicaUnavailableError(RolloutError):
     http_status = 503
 
 
+class UnauthorizedError(RolloutError):
+    """An HTTP request without the bearer token the operator configured (or with another one)."""
+
+    http_status = 401
+
+
+class PublishingOffError(RolloutError):
+    """A weight upload to an app whose operator configured no API token: publishing over HTTP is off."""
+
+    http_status = 403
+
+
+class WeightsHashMismatchError(RolloutError):
+    """An upload whose content hash is not the one its sender said it expects (nothing is stored)."""
+
+    http_status = 409
+
+
+class OverloadedError(RolloutError):
+    """The service is at capacity (Serve's back-pressure); a later call may pass."""
+
+    http_status = 503
+
+
 class RewardError(Exception):
     """A reward raised or returned unusable values; names the reward and the prompt it scored."""
 
@@ -127,7 +151,7 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, str]]:
     from ray.serve.exceptions import BackPressureError
 
     cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
-    if isinstance(cause, BackPressureError):
+    if isinstance(cause, (BackPressureError, OverloadedError)):
         return 503, _body("overloaded", "the rollout replicas are at capacity, retry later")
     if isinstance(cause, InvalidRequestError):
         return cause.http_status, _body("invalid_request", cause.message, cause.field)
@@ -142,3 +166,37 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, str]]:
 
 def _body(kind: str, message: str, field: str = "") -> dict[str, str]:
     return {"error": kind, "field": field, "message": message}
+
+
+# The error kinds of an HTTP answer that are one of the service's own types, by the body's "error".
+_KINDS: dict[str, type[RolloutError]] = {cls.__name__: cls for cls in (
+    PolicyVersionError, GroupIncompleteError, WeightMismatchError, NumericalError, ReplicaUnavailableError,
+    UnauthorizedError, PublishingOffError, WeightsHashMismatchError,
+)}
+
+
+class HttpStatusError(RolloutError):
+    """An HTTP answer with an error status that is none of the service's typed errors (a proxy's, a 500)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, message)
+        self.http_status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"HTTP {self.http_status}: {self.message}"
+
+
+def error_from_http(status: int, body: Any) -> RolloutError:
+    """The typed error an HTTP error answer stands for (the inverse of :func:`http_error`): a client over
+    HTTP catches the same exceptions as one by handle. `body`: the parsed JSON, or anything else."""
+    if isinstance(body, Mapping) and isinstance(body.get("message"), str):
+        kind, message, field = body.get("error"), body["message"], str(body.get("field") or "")
+        if kind == "invalid_request":
+            return (RequestTooLargeError if status == 413 else InvalidRequestError)(message, field)
+        if kind == "overloaded":
+            return OverloadedError(message)
+        if kind in _KINDS:
+            return _KINDS[kind](message)
+        return HttpStatusError(status, message)
+    return HttpStatusError(status, str(body)[:500])

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.stored import Stored, resolve, resolve_async
+from serve_app.stored import NotSent, Stored, resolve, resolve_async
 
 # What a trajectory sampled with version 0 (the base checkpoint, no published tensors) is stamped with.
 BASE_HASH = "base"
@@ -542,6 +542,27 @@ class TrajectoryBatch:
                                rewards, advantages, metrics, request_id, trajectory.policy_version,
                                dropped_groups or {})
 
+    @staticmethod
+    def received(header: ChunkHeader, prompts: Sequence[str], group_size: int, rewards: dict[str, torch.Tensor],
+                 advantages: torch.Tensor, metrics: dict[str, float], request_id: str, *,
+                 transitions: Trajectory | None, images: torch.Tensor | None,
+                 dropped_groups: dict[int, str] | None = None) -> TrajectoryBatch:
+        """A batch that arrived whole and in batch order (an HTTP answer): its transitions and images are
+        kept as they came, and the ones the answer left out raise NotSentError when used."""
+        chunk = SampledChunk(
+            header,
+            images if images is not None else NotSent("the answer holds no images: ask with return_images"),
+            transitions if transitions is not None
+            else NotSent("the answer holds no trajectories: ask with return_trajectory"),
+        )
+        batch = TrajectoryBatch([chunk], torch.arange(len(header)), list(prompts), group_size, rewards, advantages,
+                                metrics, request_id, header.policy_version, dropped_groups or {})
+        if transitions is not None:
+            batch.__dict__["_transitions"] = transitions
+        if images is not None:
+            batch.__dict__["_images"] = images
+        return batch
+
     @property
     def header(self) -> ChunkHeader:
         """Ids, seeds and log-probs of the batch's rows (no tensor is fetched)."""
@@ -672,8 +693,30 @@ class RolloutRequest(BaseModel):
     seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
     policy_version: StrictInt | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
     return_images: StrictBool = Field(
-        False, description="HTTP only: include each sample's image (PNG, base64) or, for videos, its H.264 MP4 (base64)."
+        False, description="HTTP only: include each sample's image (JSON: a PNG, base64, or for videos an H.264 MP4; "
+        "binary answer: the uint8 tensor)."
     )
+    return_trajectory: StrictBool = Field(
+        False, description="HTTP only: answer with each sample's whole trajectory (window latents, schedule, "
+        "conditioning) in the binary format (Accept: application/vnd.flowgrpo.trajectory+safetensors; docs/http.md).",
+    )
+
+    @classmethod
+    def of(cls, prompts: Sequence[str], group_size: int, sampling: SamplingParams | BaseModel | dict | None = None,
+           policy_version: int | None = None, seed: int | None = None, *, images: Sequence[Any] | None = None,
+           **flags: bool) -> RolloutRequest:
+        """A request from a client's arguments. Full SamplingParams travel whole (the trainer replays exactly
+        what it asked for); overrides and dicts carry only the fields they set, and the app's configured
+        sampling fills the rest. `flags`: return_images, return_trajectory."""
+        fields: dict[str, Any] = {"prompts": list(prompts), "group_size": group_size, "policy_version": policy_version,
+                                  "seed": seed, "images": None if images is None else list(images), **flags}
+        if isinstance(sampling, SamplingParams):
+            fields["sampling"] = sampling.model_dump()
+        elif isinstance(sampling, BaseModel):  # SamplingOverrides
+            fields["sampling"] = sampling.model_dump(exclude_unset=True)
+        elif sampling is not None:
+            fields["sampling"] = sampling
+        return cls.model_validate(fields)
 
     @field_validator("images", mode="before")
     @classmethod
@@ -696,7 +739,8 @@ class SampleOut(BaseModel):
 
 
 class RolloutResponse(BaseModel):
-    """The HTTP answer: JSON is for people and other languages; trainers use the handle and tensors."""
+    """The JSON answer (for people and scripts); a trainer asks for the binary one, which carries the
+    trajectories (serve_app.wire.trajectory)."""
 
     policy_version: int
     request_id: str
@@ -706,6 +750,30 @@ class RolloutResponse(BaseModel):
         default_factory=dict, description="Prompt index -> why, for groups a reward failed on (on_error: drop_group)."
     )
 
+
+class PublishedVersion(BaseModel):
+    """The answer to a weight upload: the version it is stored as and its content hash."""
+
+    policy_version: int = Field(description="The new version; requests pinned to it sample with these weights.")
+    weights_hash: str = Field(description="sha256 of the version's content (serve_app.wire.content_hash).")
+
+
+class VersionInfo(BaseModel):
+    """One stored weight version."""
+
+    policy_version: int
+    weights_hash: str = Field(description="sha256 of the version's content; 'base' for version 0.")
+    kind: Literal["base", "lora", "full"] = Field(description="base: version 0, the checkpoint itself.")
+    tensors: int = Field(description="Tensors the version holds.")
+    bytes: int = Field(description="Bytes of those tensors.")
+    lora: dict[str, Any] | None = Field(None, description="The LoRA spec (rank, alpha, target_modules) of a LoRA version.")
+
+
+class VersionList(BaseModel):
+    """The versions a store keeps, oldest first (version 0, the base checkpoint, always exists)."""
+
+    latest: int = Field(description="The version an unpinned rollout request runs at.")
+    versions: list[VersionInfo]
 
 
 class ErrorResponse(BaseModel):

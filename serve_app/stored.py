@@ -5,12 +5,24 @@ made them to the process that uses them with one serialization; the processes be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-# A value, or a Ray ObjectRef of one (annotations name the value's type in comments).
+# A value, or a Ray ObjectRef of one, or NotSent (annotations name the value's type in comments).
 Stored = Any
+
+
+class NotSentError(LookupError):
+    """A value was used that its sender left out (an HTTP answer asked without it)."""
+
+
+@dataclass(frozen=True)
+class NotSent:
+    """Stands for a value its sender left out; resolving it raises NotSentError with `message`."""
+
+    message: str
 
 
 def is_reference(value: Any) -> bool:
@@ -19,7 +31,13 @@ def is_reference(value: Any) -> bool:
 
 
 def resolve(value: Stored) -> Any:
-    """The value itself: fetched (and deserialized here) when it is a reference."""
+    """The value itself: fetched (and deserialized here) when it is a reference.
+
+    Raises:
+        NotSentError: `value` is NotSent.
+    """
+    if isinstance(value, NotSent):
+        raise NotSentError(value.message)
     if is_reference(value):
         import ray
 
@@ -29,6 +47,8 @@ def resolve(value: Stored) -> Any:
 
 async def resolve_async(value: Stored) -> Any:
     """:func:`resolve` without blocking the event loop (inside a deployment)."""
+    if isinstance(value, NotSent):
+        raise NotSentError(value.message)
     if is_reference(value):
         return await value
     return value

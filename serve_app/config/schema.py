@@ -124,11 +124,27 @@ class IngressConfig(Section):
     num_cpus: float = Field(0.1, ge=0, description="Ray CPUs reserved per ingress replica.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests one ingress replica handles at once.")
     max_queued_requests: int = Field(128, ge=-1, description="Requests queued before HTTP 503; -1 = unbounded.")
+    api_token_file: str | None = Field(
+        None,
+        description="A file holding the HTTP API's bearer token (clients send `Authorization: Bearer <token>`). With "
+        "a token, every endpoint but /healthz requires it and POST /v1/weights is on; without one, publishing over "
+        "HTTP is off. The token lives in the file or the environment, never in a config.",
+    )
+    api_token_env: str | None = Field(
+        None, description="The name of an environment variable of the ingress's process holding the bearer token "
+        "(instead of api_token_file).",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data: object) -> object:
         return refuse_renamed_keys(data, {"chunk_retries": "chunk_retry: {attempts: chunk_retries + 1}"})
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> IngressConfig:
+        if self.api_token_file is not None and self.api_token_env is not None:
+            raise ValueError("set api_token_file or api_token_env, not both")
+        return self
 
 
 class AutoscalingConfig(Section):
@@ -265,6 +281,10 @@ class WeightsConfig(Section):
     )
     keep_versions: int | None = Field(
         16, ge=1, description="Versions kept; a request pinned to an older one gets HTTP 409. None keeps all."
+    )
+    max_upload_bytes: int = Field(
+        2**30, ge=1, description="Largest body POST /v1/weights takes (the ingress holds an upload in memory while "
+        "it checks it); above: HTTP 413.",
     )
 
 

@@ -18,8 +18,9 @@ from serve_app.errors import NumericalError
 from serve_app.flowgrpo.sampler import encode_conditioning, rollout
 from serve_app.policies.base import DiffusionPolicy, ImageGeometry
 from serve_app.schemas import PromptEmbeds, RolloutChunk, Trajectory
+from serve_app.weights.layout import Layout, ModelLayout
 from serve_app.weights.replica import PolicyVersions
-from serve_app.weights import VersionStore
+from serve_app.weights import LoraSpec, VersionStore, WeightKind
 
 if TYPE_CHECKING:
     from serve_app.config import RolloutConfig
@@ -49,6 +50,7 @@ class DiffusersEngine:
     def __init__(self, policy: DiffusionPolicy, store: VersionStore | None = None) -> None:
         self.policy = policy
         self.versions = PolicyVersions(policy, store)
+        self._layout = ModelLayout.of(policy.experts)  # before a version's adapter wraps any layer
         self._lock = threading.Lock()
         self._probe_conditioning: PromptEmbeds | None = None
 
@@ -139,6 +141,9 @@ class DiffusersEngine:
             )
         _check_finite(trajectory)
         return trajectory
+
+    def weight_layout(self, kind: WeightKind, lora: LoraSpec | None) -> Layout:
+        return self._layout.version(kind, lora)
 
     def prefetch(self, version: int) -> int:
         """Load `version` now, between batches; returns the version loaded."""

@@ -39,6 +39,8 @@ import torch
 from serve_app.flowgrpo.sampler import Conditioning
 from serve_app.policies.base import DiffusionPolicy, ImageGeometry
 from serve_app.schemas import RolloutChunk, SamplingParams, Trajectory
+from serve_app.weights.layout import Layout
+from serve_app.weights.versions import LoraSpec, WeightKind
 from serve_app.flowgrpo.ratios import LogRatioSummary, replay_log_probs, summarize_log_ratios
 
 # fp32, one code path for sampling and replay: the ratio is 1 up to reduction-order noise.
@@ -99,6 +101,11 @@ class SamplingEngine(Protocol):
 
     def check_health(self) -> None:
         """Raise unless the engine can serve."""
+        ...
+
+    def weight_layout(self, kind: WeightKind, lora: LoraSpec | None) -> Layout:
+        """{tensor name: shape} of a version of the loaded model (serve_app.weights.layout), against which an
+        uploaded version is checked before it is stored."""
         ...
 
 

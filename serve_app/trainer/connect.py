@@ -1,19 +1,58 @@
-"""How a trainer process reaches the deployed app: the rollout client and, for prefetching new versions,
-the replicas' handle. The CLI and rank 0 of a data-parallel run connect the same way."""
+"""How a trainer process reaches the deployed app: by handle on its Ray cluster (the rollout client and, for
+prefetching new versions, the replicas' handle; versions go to the app's weight store), or over HTTP alone
+(rollouts and versions through the HTTP API; Ray is never imported). The CLI and rank 0 of a data-parallel
+run connect the same way."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.client import RolloutClient
+import torch
+
+from serve_app.schemas import BASE_HASH
 from serve_app.trainer.config import DistributedSection, TrainerRunConfig
+from serve_app.weights.versions import LoraSpec, WeightKind
 
 
 @dataclass(frozen=True)
 class AppConnection:
-    client: RolloutClient
-    replica: Any | None  # the DiffusionReplica deployment handle, with trainer.prefetch
+    client: Any  # RolloutClient, or HttpRolloutClient
+    replica: Any | None  # the DiffusionReplica deployment handle, with trainer.prefetch (by handle only)
+    publisher: Any | None = None  # where versions go; None: the config's weight store
+
+
+class HttpPublisher:
+    """The trainer's WeightPublisher over the HTTP API: POST /v1/weights numbers and stores each version; the
+    hashes of versions this process published are known without asking."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._hashes: dict[int, str] = {0: BASE_HASH}
+
+    def publish_next(self, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                     lora: LoraSpec | None = None) -> tuple[int, str]:
+        version, digest = self.client.publish(tensors, kind=kind, lora=lora)
+        self._hashes[version] = digest
+        return version, digest
+
+    def published_hash(self, version: int) -> str:
+        if version not in self._hashes:
+            self._hashes[version] = self.client.version(version).weights_hash
+        return self._hashes[version]
+
+
+def connect_over_http(url: str, token: str | None) -> AppConnection:
+    """The app's HTTP API at `url` (bearer `token`): checked now, so a wrong address fails before training.
+
+    Raises:
+        ConnectionLostError: nothing answers at `url`.
+    """
+    from serve_app.http_client import HttpRolloutClient
+
+    client = HttpRolloutClient(url, token)
+    client.versions()  # an unreachable address or a refused token fails here, with the cause
+    return AppConnection(client, None, HttpPublisher(client))
 
 
 def connect_to_app(config: TrainerRunConfig) -> AppConnection:
@@ -22,6 +61,8 @@ def connect_to_app(config: TrainerRunConfig) -> AppConnection:
     Raises:
         AppNotDeployedError: the app is not running (the message says how to start it).
     """
+    from serve_app.client import RolloutClient
+
     client = RolloutClient(config.app_name)
     _ = client.handle  # fails now, with the deploy hint, when the app is not running
     replica = None

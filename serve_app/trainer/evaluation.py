@@ -228,6 +228,7 @@ class RunEvaluator:
         # Images and ids only: an evaluation never fetches the transitions.
         batch = self.client.rollout(split_prompts, per_prompt, sampling=sampling, policy_version=version,
                                     seed=validation.seed, timeout_s=self.config.trainer.rollout_timeout_s, fetch=False,
+                                    return_images=True,
                                     **({} if split_images is None else {"images": split_images}))
         images, header = batch.images, batch.header
         prompt_index = header.prompt_index.tolist()

@@ -10,8 +10,9 @@ One training step, top to bottom:
                   version that sampled it must give its log-probs (the mismatch check, at any
                   staleness); replay, clipped loss, AdamW; at staleness 0 the first replay must
                   give ratio 1
-    4. publish  - store.publish(v + 1, adapter tensors); new rollouts are pinned to it, and the
-                  trainer keeps the tensors for the check of the batches they sample
+    4. publish  - store.publish_next(adapter tensors) -> v + 1 (the weight store, or POST /v1/weights over
+                  HTTP); new rollouts are pinned to it, and the trainer keeps the tensors for the check of the
+                  batches they sample
     5. log      - one metrics.csv row (serve_app.trainer.outputs); grids, evaluations and checkpoints
                   every few steps
 
@@ -40,17 +41,29 @@ from serve_app.trainer.parallel import DataParallel
 from serve_app.trainer.pipeline import Delivered, RolloutPipeline
 from serve_app.trainer.telemetry import TrainerTelemetry
 from serve_app.trainer.update import OnPolicyMismatchError, PolicyUpdate, TrainingDivergedError, UpdateStats
-from serve_app.weights import check_weights_hash, open_weight_store
+from serve_app.weights import LoraSpec, WeightKind, check_weights_hash, content_hash, open_weight_store
 
-__all__ = ["FlowGRPOTrainer", "OnPolicyMismatchError", "RolloutSource", "TrainingDivergedError", "load_trainer_policy"]
+__all__ = ["FlowGRPOTrainer", "OnPolicyMismatchError", "RolloutSource", "TrainingDivergedError", "WeightPublisher",
+           "load_trainer_policy"]
 
 
 class RolloutSource(Protocol):
-    """What the trainer samples from (a RolloutClient); `images` is passed only for prompts with input images."""
+    """What the trainer samples from (a RolloutClient, or an HttpRolloutClient); `images` is passed only for
+    prompts with input images."""
 
     def rollout(self, prompts: list[str], group_size: int, sampling: Any = None, policy_version: int | None = None,
                 seed: int | None = None, *, timeout_s: float | None = None, fetch: bool = True,
-                images: list[list[torch.Tensor]] | None = None) -> TrajectoryBatch: ...
+                return_images: bool = False, images: list[list[torch.Tensor]] | None = None) -> TrajectoryBatch: ...
+
+
+class WeightPublisher(Protocol):
+    """Where the trainer publishes versions and reads what was published (a VersionStore, or the service's
+    /v1/weights over HTTP: serve_app.trainer.connect.HttpPublisher)."""
+
+    def publish_next(self, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                     lora: LoraSpec | None = None) -> tuple[int, str]: ...
+
+    def published_hash(self, version: int) -> str: ...
 
 
 def load_trainer_policy(config: TrainerRunConfig) -> DiffusionPolicy:
@@ -72,12 +85,13 @@ class FlowGRPOTrainer:
         replica_handle: optional DiffusionReplica handle to push new versions ahead (trainer.prefetch).
         parallel: this process's rank in a data-parallel group (serve_app.trainer.parallel); default one
             process. Ranks other than 0 get no client: they replay the shards rank 0 sends, and write nothing.
+        publisher: where versions are published (`self.store`); default the config's weight store, the app's.
     """
 
     def __init__(self, config: TrainerRunConfig, client: RolloutSource | None, out_dir: str | Path, *,
                  policy: DiffusionPolicy | None = None, resume: str | Path | None = None,
                  replica_handle: Any | None = None, progress: bool = True,
-                 parallel: DataParallel | None = None) -> None:
+                 parallel: DataParallel | None = None, publisher: WeightPublisher | None = None) -> None:
         self.config = config
         self.cfg = config.trainer
         self.client = client
@@ -94,7 +108,7 @@ class FlowGRPOTrainer:
         self.metrics = MetricsLog(self.out / "metrics.csv", append=resume is not None and leader)
         self.update = PolicyUpdate(self.cfg, self.policy, self.parallel, history=self.metrics.rows)
         self.model = self.update.model
-        self.store = open_weight_store(config)
+        self.store: WeightPublisher = publisher if publisher is not None else open_weight_store(config)
         self.sampling: SamplingParams = config.sampling
         self.step = 0  # steps completed
         self.version = 0  # the version the trainer's weights equal (0 = base; a fresh adapter is a no-op)
@@ -216,7 +230,8 @@ class FlowGRPOTrainer:
         texts, images = split_image_prompts(self._prompts(index))
         return self.client.rollout(
             texts, self.cfg.group_size, sampling=self.sampling, policy_version=version, seed=self._request_seed(index),
-            timeout_s=self.cfg.rollout_timeout_s, **({} if images is None else {"images": images}),
+            timeout_s=self.cfg.rollout_timeout_s, return_images=bool(self.cfg.image_every),
+            **({} if images is None else {"images": images}),
         )
 
     def _prompts(self, step: int) -> list[str] | list[ImagePrompt]:
@@ -237,8 +252,7 @@ class FlowGRPOTrainer:
         return self.parallel.broadcast(self._publish_state(state) if self.parallel.is_leader else None)
 
     def _publish_state(self, state: dict[str, torch.Tensor]) -> int:
-        version = self.store.latest_version() + 1
-        self.store.publish(version, state, kind=self.model.kind, lora=self.model.spec)
+        version, _ = self.store.publish_next(state, kind=self.model.kind, lora=self.model.spec)
         if self.cfg.prefetch and self.replica_handle is not None:
             self.replica_handle.prefetch_version.remote(version).result()
         return version
@@ -264,13 +278,12 @@ class FlowGRPOTrainer:
             self.update.ema.load_state_dict(state.ema)
         self.step, self.version = state.step, state.policy_version
         if self.version > 0:
-            # The replicas serve the store's tensors for this version; they must equal ours.
-            stored = self.store.load(self.version).tensors
-            mine = self.model.publishable_state()
-            if set(stored) != set(mine) or any(not torch.equal(stored[k], mine[k]) for k in mine):
+            # The replicas serve what was published under this version; it must be ours (by content hash).
+            published = self.store.published_hash(self.version)
+            if content_hash(self.model.publishable_state(), self.model.spec) != published:
                 raise PolicyVersionError(
-                    f"checkpoint {directory} is at policy version {self.version}, but {self.store.where} holds other "
-                    "weights under that version"
+                    f"checkpoint {directory} is at policy version {self.version}, but the app holds other weights "
+                    f"under that version (published as {published[:12]})"
                 )
 
     # -- evaluation and outputs ---------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -38,6 +39,6 @@ class TrainerTelemetry:
 
     @staticmethod
     def if_on_a_cluster() -> TrainerTelemetry | None:
-        import ray
-
-        return TrainerTelemetry() if ray.is_initialized() else None
+        # A process that never imported Ray (a trainer over HTTP) is on no cluster, and must not import it now.
+        ray = sys.modules.get("ray")
+        return TrainerTelemetry() if ray is not None and ray.is_initialized() else None

@@ -15,11 +15,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from serve_app.errors import PolicyVersionError
+from serve_app.schemas import VersionInfo
 from serve_app.weights.versions import (
     BASE_HASH,
+    BASE_VERSION,
     LoraSpec,
     VersionStore,
     WeightKind,
@@ -27,6 +30,7 @@ from serve_app.weights.versions import (
     check_publishable,
     content_hash,
     missing_version,
+    tensor_bytes,
 )
 
 
@@ -48,9 +52,16 @@ class WeightStore(VersionStore):
     def versions(self) -> list[int]:
         return sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.is_dir())
 
+    def publish_next(self, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                     lora: LoraSpec | None = None) -> tuple[int, str]:
+        # One publisher at a time between reading the newest version and renaming the next into place.
+        with FileLock(self.root / ".publish.lock"):
+            version = self.latest_version() + 1
+            return version, self.publish(version, tensors, kind=kind, lora=lora)
+
     def publish(
         self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind, lora: LoraSpec | None = None
-    ) -> None:
+    ) -> str:
         check_publishable(version, kind, lora)
         target = self._dir(version)
         if target.exists():
@@ -60,19 +71,31 @@ class WeightStore(VersionStore):
         save_file(on_cpu, staging / "weights.safetensors")
         meta = {
             "version": version, "kind": kind, "model": self.model, "lora": None if lora is None else asdict(lora),
-            "content_hash": content_hash(on_cpu, lora),
+            "content_hash": content_hash(on_cpu, lora), "tensors": len(on_cpu), "bytes": tensor_bytes(on_cpu),
         }
         (staging / "meta.json").write_text(json.dumps(meta))
-        os.rename(staging, target)
+        try:
+            os.rename(staging, target)  # fails where another publisher renamed its version into place first
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise PolicyVersionError(f"version {version} is already published in {self.root}") from None
         if self.keep is not None:
             for old in self.versions()[: -self.keep]:
                 shutil.rmtree(self._dir(old), ignore_errors=True)
+        return meta["content_hash"]
 
     def load(self, version: int) -> WeightVersion:
         meta = self._meta(version)
         lora = LoraSpec(**meta["lora"]) if meta["lora"] else None
         tensors = load_file(self._dir(version) / "weights.safetensors")
         return WeightVersion(version, meta["kind"], tensors, lora, meta["content_hash"])
+
+    def describe(self, version: int) -> VersionInfo:
+        if version == 0:
+            return BASE_VERSION
+        meta = self._meta(version)
+        return VersionInfo(policy_version=version, weights_hash=meta["content_hash"], kind=meta["kind"],
+                           tensors=meta["tensors"], bytes=meta["bytes"], lora=meta["lora"])
 
     def published_hash(self, version: int) -> str:
         """The content hash recorded when `version` was published (BASE_HASH for version 0)."""

@@ -10,14 +10,16 @@ keeps the last `keep` versions; dropping a version's entry frees its object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import ray
 import torch
 
 from serve_app.errors import PolicyVersionError
+from serve_app.schemas import VersionInfo
 from serve_app.weights.versions import (
     BASE_HASH,
+    BASE_VERSION,
     LoraSpec,
     VersionStore,
     WeightKind,
@@ -25,6 +27,7 @@ from serve_app.weights.versions import (
     check_publishable,
     content_hash,
     missing_version,
+    tensor_bytes,
 )
 
 NAMESPACE = "flowgrpo"
@@ -39,6 +42,8 @@ class RegistryEntry:
     model: str | None
     # In a list: Ray would otherwise resolve a top-level ObjectRef argument to its value.
     tensors_ref: list[ray.ObjectRef]
+    tensors: int = 0  # how many, and their bytes (GET /v1/weights/{version})
+    bytes: int = 0
 
 
 class WeightRegistry:
@@ -47,11 +52,14 @@ class WeightRegistry:
     def __init__(self, keep: int | None) -> None:
         self.keep = keep
         self.entries: dict[int, RegistryEntry] = {}
+        self.newest = 0
 
     def register(self, entry: RegistryEntry) -> None:
         if entry.version in self.entries:
             raise PolicyVersionError(f"version {entry.version} is already published in the weight registry")
         self.entries[entry.version] = entry
+        # The next number is after every one ever published, evicted ones included.
+        self.newest = max(self.newest, entry.version)
         if self.keep is not None:
             for old in sorted(self.entries)[: -self.keep]:
                 del self.entries[old]
@@ -71,6 +79,12 @@ class WeightRegistryActor(WeightRegistry):
         # Put here, not in the publisher: the putting process owns the object (Ray 2.56 removed
         # `ray.put(_owner=...)`), and this one lives as long as the registry.
         self.register(replace(entry, tensors_ref=[ray.put(tensors)]))
+
+    def publish_next(self, entry: RegistryEntry, tensors: dict[str, torch.Tensor]) -> int:
+        # The actor runs one call at a time: numbering and registering cannot interleave with another's.
+        version = self.newest + 1
+        self.publish(replace(entry, version=version), tensors)
+        return version
 
 
 class RegistryStore(VersionStore):
@@ -96,11 +110,31 @@ class RegistryStore(VersionStore):
         return ray.get(self.registry.versions.remote())
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
-                lora: LoraSpec | None = None) -> None:
+                lora: LoraSpec | None = None) -> str:
         check_publishable(version, kind, lora)
-        on_cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        entry = RegistryEntry(version, kind, lora, content_hash(on_cpu, lora), self.model, tensors_ref=[])
+        entry, on_cpu = self._entry_of(version, tensors, kind, lora)
         ray.get(self.registry.publish.remote(entry, on_cpu))
+        return entry.content_hash
+
+    def publish_next(self, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                     lora: LoraSpec | None = None) -> tuple[int, str]:
+        check_publishable(1, kind, lora)
+        entry, on_cpu = self._entry_of(0, tensors, kind, lora)
+        return ray.get(self.registry.publish_next.remote(entry, on_cpu)), entry.content_hash
+
+    def _entry_of(self, version: int, tensors: dict[str, torch.Tensor], kind: WeightKind,
+                  lora: LoraSpec | None) -> tuple[RegistryEntry, dict[str, torch.Tensor]]:
+        on_cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        entry = RegistryEntry(version, kind, lora, content_hash(on_cpu, lora), self.model, tensors_ref=[],
+                              tensors=len(on_cpu), bytes=tensor_bytes(on_cpu))
+        return entry, on_cpu
+
+    def describe(self, version: int) -> VersionInfo:
+        if version == 0:
+            return BASE_VERSION
+        entry = self._entry(version)
+        return VersionInfo(policy_version=version, weights_hash=entry.content_hash, kind=entry.kind,
+                           tensors=entry.tensors, bytes=entry.bytes, lora=None if entry.lora is None else asdict(entry.lora))
 
     def load(self, version: int) -> WeightVersion:
         entry = self._entry(version)

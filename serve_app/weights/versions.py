@@ -13,23 +13,22 @@ version holds the tensors of the experts it targets, one or several; the content
 from __future__ import annotations
 
 import abc
-import hashlib
-import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
 from serve_app.policies.base import PRIMARY_EXPERT  # unprefixed tensor names are its
-from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory
+from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory, VersionInfo
+from serve_app.wire.weights import content_hash  # a version's name; clients compute it too
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
 __all__ = [
-    "ADAPTER", "BASE_HASH", "PRIMARY_EXPERT", "LoraSpec", "VersionStore", "WeightKind", "WeightVersion", "adapter_name",
+    "ADAPTER", "BASE_HASH", "BASE_VERSION", "PRIMARY_EXPERT", "LoraSpec", "VersionStore", "WeightKind", "WeightVersion", "adapter_name",
     "by_expert", "check_publishable", "check_weights_hash", "expert_key",
     "content_hash", "missing_version",
 ]
@@ -90,18 +89,6 @@ class WeightVersion:
     content_hash: str
 
 
-def content_hash(tensors: dict[str, torch.Tensor], lora: LoraSpec | None) -> str:
-    """sha256 of a version's content: each tensor's name, dtype, shape and bytes (in name order), and
-    the LoRA spec. It names the weights themselves, whatever file or module layout holds them."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    digest.update(json.dumps(None if lora is None else asdict(lora), sort_keys=True).encode())
-    return digest.hexdigest()
-
-
 class VersionStore(abc.ABC):
     """Where published versions live; the trainer, the ingress, the replicas and the aggregator use it."""
 
@@ -113,7 +100,18 @@ class VersionStore(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, version: int, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
-                lora: LoraSpec | None = None) -> None: ...
+                lora: LoraSpec | None = None) -> str:
+        """Store `tensors` as `version` (never published before); returns its content hash.
+
+        Raises:
+            PolicyVersionError: `version` is already published.
+        """
+
+    @abc.abstractmethod
+    def publish_next(self, tensors: dict[str, torch.Tensor], *, kind: WeightKind,
+                     lora: LoraSpec | None = None) -> tuple[int, str]:
+        """Store `tensors` as the version after the newest, atomically: publishers at once get distinct
+        versions, in the order they were stored. Returns (version, content hash)."""
 
     @abc.abstractmethod
     def load(self, version: int) -> WeightVersion: ...
@@ -122,10 +120,25 @@ class VersionStore(abc.ABC):
     def published_hash(self, version: int) -> str:
         """The content hash recorded when `version` was published (BASE_HASH for version 0)."""
 
+    @abc.abstractmethod
+    def describe(self, version: int) -> VersionInfo:
+        """What `version` holds (its hash, kind, tensor count and bytes); version 0 is the base checkpoint.
+
+        Raises:
+            PolicyVersionError: the store does not hold `version`.
+        """
+
     def latest_version(self) -> int:
         """The newest published version, 0 (the base weights) when none was published."""
         kept = self.versions()
         return kept[-1] if kept else 0
+
+
+BASE_VERSION = VersionInfo(policy_version=0, weights_hash=BASE_HASH, kind="base", tensors=0, bytes=0)
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def check_publishable(version: int, kind: WeightKind, lora: LoraSpec | None) -> None:
@@ -143,7 +156,7 @@ def missing_version(version: int, kept: list[int]) -> PolicyVersionError:
 
 def check_weights_hash(trajectory: Trajectory | ChunkHeader, store: VersionStore) -> None:
     """Raise WeightMismatchError unless the stamp of a trajectory (or of a chunk's header) is the content hash
-    published for its version."""
+    published for its version (`store`: anything with published_hash, e.g. the trainer's HTTP publisher)."""
     published = store.published_hash(trajectory.policy_version)
     if trajectory.weights_hash != published:
         raise WeightMismatchError(
