@@ -46,12 +46,16 @@ class ModelLayout:
         """{tensor name: shape} of a version of every expert (a version holds the experts it targets).
 
         Raises:
-            InvalidRequestError: a LoRA spec whose target modules name a layer that is not Linear.
+            InvalidRequestError: a LoRA spec whose target modules name no layer, or one that is not Linear.
         """
         layout: Layout = {}
         for expert in self.state:
             own = self.state[expert] if kind == "full" else self._lora(expert, lora)
             layout.update({expert_key(expert, name): shape for name, shape in own.items()})
+        if not layout:
+            assert lora is not None
+            raise InvalidRequestError(f"target modules {lora.target_modules} match no layer of the served model",
+                                      "lora.target_modules")
         return layout
 
     def _lora(self, expert: str, lora: LoraSpec | None) -> Layout:
