@@ -57,6 +57,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
+class BinaryResponse(Response):
+    """A body sent as the bytearray it was packed into: Starlette would copy anything but bytes, and Serve
+    pickles a replica's messages to its proxy, which a memoryview cannot be."""
+
+    def render(self, content: Any) -> bytes:
+        return content
+
+
 class HttpService(Protocol):
     """What the routes call (TokenizerIngress implements it; its handle methods have the same names)."""
 
@@ -148,7 +156,7 @@ def build_http_api(service: HttpService, *, token: str | None, max_upload_bytes:
         images = await batch.fetch_images_async() if request.return_images else None
         # Copying the tensors into the answer is the one pass over them here: off the event loop.
         body = await asyncio.to_thread(encode_batch, batch, transitions=transitions, images=images)
-        return Response(content=memoryview(body), media_type=TRAJECTORY_MEDIA_TYPE)
+        return BinaryResponse(body, media_type=TRAJECTORY_MEDIA_TYPE)
 
     @api.post("/v1/weights", response_model=PublishedVersion, openapi_extra={"requestBody": {
         "required": True, "content": {WEIGHTS_MEDIA_TYPE: _BINARY, "application/octet-stream": _BINARY}}},
