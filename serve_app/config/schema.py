@@ -66,9 +66,10 @@ class ModelConfig(Section):
     input_image_area: int | None = Field(
         None, ge=1,
         description="Image-conditioned families (qwen_image_edit[_plus], flux_kontext): the pixels each input image is "
-        "resized to, its aspect ratio kept and each side rounded to a multiple of 32 (flux_kontext: the nearest of "
-        "Kontext's preferred resolutions scaled to this area, sides floored to the VAE factor x 2); None keeps the "
-        "pipeline's own (1024 x 1024). Text-to-image families take none.",
+        "resized to, its aspect ratio kept and each side rounded to a multiple of 32 (flux_kontext: of Kontext's "
+        "preferred resolutions scaled to this area in whole pixels, the one nearest the aspect ratio of the image's "
+        "sides floored to the VAE factor x 2, its sides floored to that multiple too); None keeps the pipeline's own "
+        "(1024 x 1024). Text-to-image families take none.",
     )
     condition_image_area: int | None = Field(
         None, ge=1,

@@ -8,11 +8,13 @@ family it runs.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -85,9 +87,10 @@ class ImageGeometry:
     input_images: tuple[int, int] = (0, 0)  # (fewest, most) input images a prompt takes; (0, 0): text only
     input_image_area: int = 0  # pixels an input image is resized to, its aspect ratio kept
     input_image_multiple: int = 32  # ... each side rounded to a multiple of this (Qwen-Image-Edit's rounding)
-    # (width, height) sizes at input_image_area: an input image takes the one nearest its aspect ratio, each side
-    # floored to input_image_multiple (FLUX.1 Kontext's preferred resolutions); empty: the area rule above.
-    input_image_resolutions: tuple[tuple[float, float], ...] = ()
+    # (width, height) px sizes at input_image_area: an input image takes the one nearest the aspect ratio of its
+    # sides floored to input_image_multiple, that size's sides floored to it too (FLUX.1 Kontext's preferred
+    # resolutions); empty: the area rule above.
+    input_image_resolutions: tuple[tuple[int, int], ...] = ()
     # Pixels of the vision-language encoder's own copy of each input image, resized from the image as sent by
     # the area rule (Qwen-Image-Edit-Plus: 384 x 384, beside 1024 x 1024 for the VAE); 0: no separate copy.
     condition_image_area: int = 0
@@ -148,24 +151,23 @@ class ImageGeometry:
         takes = str(fewest) if fewest == most else f"{fewest} to {most}"
         raise InvalidRequestError(f"{self.family} takes {takes} input image(s) per prompt; got {count}", field)
 
-    def with_input_resolutions(self, resolutions: tuple[tuple[float, float], ...], *, multiple: int) -> ImageGeometry:
-        """This geometry with input images resized to the nearest of `resolutions`, sides floored to `multiple`."""
+    def with_input_resolutions(self, resolutions: tuple[tuple[int, int], ...], *, multiple: int) -> ImageGeometry:
+        """This geometry with input images resized to the nearest of `resolutions` ((width, height) px), the
+        image's sides and the chosen size's floored to `multiple`."""
         return dataclasses.replace(self, input_image_resolutions=resolutions, input_image_multiple=multiple)
 
     def input_image_size(self, height: int, width: int, field: str = "images") -> tuple[int, int]:
         """The (height, width) an input image of height x width is resized to before the model sees it: the
         area `input_image_area` at the image's aspect ratio, each side rounded to `input_image_multiple`
         (as QwenImageEditPipeline's calculate_dimensions does), or with `input_image_resolutions` the one
-        nearest its aspect ratio, each side floored (as FluxKontextPipeline's _auto_resize does). Raises
-        InvalidRequestError naming `field` for an aspect ratio so extreme that a side rounds to 0 or beyond
-        the position embedding."""
-        ratio = width / height
-        m = self.input_image_multiple
+        nearest the aspect ratio of the image's sides floored to `input_image_multiple`, its own sides floored
+        too (as FluxKontextPipeline's _auto_resize does). Raises InvalidRequestError naming `field` for an
+        aspect ratio so extreme that a side rounds to 0 or beyond the position embedding, or, with
+        resolutions, for an image less than `input_image_multiple` px tall."""
         if self.input_image_resolutions:
-            _, chosen_width, chosen_height = min((abs(ratio - w / h), w, h) for w, h in self.input_image_resolutions)
-            size = (int(chosen_height // m * m), int(chosen_width // m * m))
+            size = self._nearest_resolution(height, width, field)
         else:
-            size = self._at_area(self.input_image_area, ratio)
+            size = self._at_area(self.input_image_area, width / height)
         if min(size) == 0 or max(size) > self.max_side or size[0] % self.spatial_multiple or size[1] % self.spatial_multiple:
             raise InvalidRequestError(
                 f"an input image of {height}x{width} resizes to {size[0]}x{size[1]} at {self.family}'s input area of "
@@ -174,6 +176,23 @@ class ImageGeometry:
                 field,
             )
         return size
+
+    def _nearest_resolution(self, height: int, width: int, field: str) -> tuple[int, int]:
+        m = self.input_image_multiple
+        # Kontext's pipeline takes the ratio of the sides its image processor floors to the multiple, not of the
+        # sides as sent: for sides that are not multiples the two ratios can be nearest different sizes.
+        floored_height, floored_width = height // m * m, width // m * m
+        if floored_height == 0:
+            # The stock pipeline divides by zero on such an image. A width under the multiple is no error there:
+            # its ratio 0 takes the tallest size, and so it does here.
+            raise InvalidRequestError(
+                f"an input image of {height}x{width} is less than {m} px tall; {self.family} takes the aspect ratio "
+                f"of its sides floored to multiples of {m}, as its pipeline does, so a height must be at least {m} px",
+                field,
+            )
+        ratio = floored_width / floored_height
+        _, chosen_width, chosen_height = min((abs(ratio - w / h), w, h) for w, h in self.input_image_resolutions)
+        return chosen_height // m * m, chosen_width // m * m
 
     def _at_area(self, area: int, ratio: float) -> tuple[int, int]:
         scaled_width = math.sqrt(area * ratio)
@@ -186,16 +205,23 @@ class ImageGeometry:
         height, width = self.input_image_size(int(image.shape[-2]), int(image.shape[-1]), field)
         return resize_image(image, height, width)
 
-    def resize_condition_image(self, image: torch.Tensor, field: str = "images") -> torch.Tensor:
-        """uint8 [3, H, W] as sent -> the encoder's copy at `condition_image_area` (Lanczos), for a family that
-        has one (:attr:`condition_image_area`). InvalidRequestError naming `field` if a side rounds to 0."""
-        height, width = self._at_area(self.condition_image_area, int(image.shape[-1]) / int(image.shape[-2]))
-        if min(height, width) == 0:
+    def condition_image_size(self, height: int, width: int, field: str = "images") -> tuple[int, int]:
+        """The (height, width) of the encoder's copy of an input image of height x width, for a family that has
+        one (:attr:`condition_image_area`): that area at the image's aspect ratio, each side rounded to
+        `input_image_multiple` (as QwenImageEditPlusPipeline's calculate_dimensions does, from the image as sent).
+        InvalidRequestError naming `field` if a side rounds to 0."""
+        size = self._at_area(self.condition_image_area, width / height)
+        if min(size) == 0:
             raise InvalidRequestError(
-                f"an input image of {image.shape[-2]}x{image.shape[-1]} resizes to {height}x{width} at "
-                f"{self.family}'s encoder input area of {self.condition_image_area} px; use a less extreme aspect ratio",
+                f"an input image of {height}x{width} resizes to {size[0]}x{size[1]} at {self.family}'s encoder input "
+                f"area of {self.condition_image_area} px; use a less extreme aspect ratio",
                 field,
             )
+        return size
+
+    def resize_condition_image(self, image: torch.Tensor, field: str = "images") -> torch.Tensor:
+        """uint8 [3, H, W] as sent -> the encoder's copy at :meth:`condition_image_size` (Lanczos)."""
+        height, width = self.condition_image_size(int(image.shape[-2]), int(image.shape[-1]), field)
         return resize_image(image, height, width)
 
     def conditioning_images(self, images: Sequence[torch.Tensor], fields: Sequence[str] | None = None
@@ -502,3 +528,27 @@ def per_input_image_shapes(
         outputs.append(run(torch.tensor(rows, device=device), shapes))
         order.extend(rows)
     return torch.cat(outputs)[torch.argsort(torch.tensor(order, device=device))]
+
+
+_STOCK_GLOBALS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def stock_globals(module: types.ModuleType, **values: Any) -> Iterator[None]:
+    """`module`'s globals set to `values` while the block runs, then restored; no values: nothing changes.
+
+    A stock pipeline reads its input areas (its resolution list, its area constants) from module globals when
+    called, so a ``stock_call`` at a checkpoint's other area replaces just those and runs the stock code
+    otherwise as it is. The module is shared by the process, so one such block runs at a time."""
+    if not values:
+        yield
+        return
+    with _STOCK_GLOBALS_LOCK:
+        saved = {name: getattr(module, name) for name in values}
+        for name, value in values.items():
+            setattr(module, name, value)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)

@@ -3,10 +3,11 @@ along the sequence.
 
 What the stock ``FluxKontextPipeline`` (diffusers 0.42) does, and so what this adapter does:
 
-- The input image is resized to the Kontext resolution nearest its aspect ratio (``_auto_resize``: 17
-  sizes of about 1024 x 1024 px), each side floored to the VAE factor x 2; the ingress does it
+- The input image is resized to the Kontext resolution (``_auto_resize``: 17 sizes of about 1024 x 1024 px)
+  nearest the aspect ratio of its sides floored to the VAE factor x 2 (its image processor's
+  ``get_default_height_width``), that size's sides floored to the same multiple; the ingress does it
   (:meth:`ImageGeometry.resize_input_image`). At an ``input_image_area`` other than 1024 x 1024 the same
-  sizes are scaled to that area.
+  sizes are scaled to that area (:func:`kontext_resolutions`).
 - Its VAE latents are the posterior's mode, shifted and scaled as the generated latents are, and packed
   2x2; their rotary ids are the generated image's with the first coordinate 1 instead of 0.
 - The transformer sees [noisy latents ; image latents] and its output is cut back to the noisy latents'
@@ -22,15 +23,24 @@ from typing import ClassVar
 
 import torch
 from diffusers import FluxKontextPipeline
+from diffusers.pipelines.flux import pipeline_flux_kontext
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from serve_app.media import to_pil
-from serve_app.policies.base import ImageGeometry, per_input_image_shapes, stack_padded
+from serve_app.policies.base import ImageGeometry, per_input_image_shapes, stack_padded, stock_globals
 from serve_app.policies.flux import FluxPolicy
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
 # The area PREFERRED_KONTEXT_RESOLUTIONS are sized for.
 STOCK_INPUT_IMAGE_AREA = 1024 * 1024
+
+
+def kontext_resolutions(area: int) -> tuple[tuple[int, int], ...]:
+    """Kontext's preferred (width, height) sizes scaled from 1024 x 1024 px to `area`; the stock ones at the stock
+    area. Sides are truncated to whole pixels, as the stock pipeline resizes to them: truncating keeps each
+    side's floor to a multiple what it is for the exact scaled side."""
+    scale = math.sqrt(area / STOCK_INPUT_IMAGE_AREA)
+    return tuple((int(w * scale), int(h * scale)) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
 
 
 class FluxKontextPolicy(FluxPolicy):
@@ -42,9 +52,9 @@ class FluxKontextPolicy(FluxPolicy):
 
     @property
     def geometry(self) -> ImageGeometry:
-        scale = math.sqrt(self.input_image_area / STOCK_INPUT_IMAGE_AREA)
-        return super().geometry.with_input_resolutions(
-            tuple((w * scale, h * scale) for w, h in PREFERRED_KONTEXT_RESOLUTIONS), multiple=self.spatial_multiple)
+        # The pipeline's image processor and its multiple_of are both at the VAE factor x 2.
+        return super().geometry.with_input_resolutions(kontext_resolutions(self.input_image_area),
+                                                       multiple=self.spatial_multiple)
 
     # -- conditioning --------------------------------------------------------------------------
 
@@ -97,19 +107,21 @@ class FluxKontextPolicy(FluxPolicy):
 
     def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor, *,
                    images: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """The stock ``FluxKontextPipeline.__call__`` on `images` (one uint8 [3, H, W] as sent), generating
-        params.height x params.width (``max_area`` set to it: the stock default rescales the output to
-        1024 x 1024). At the stock input area the pipeline resizes the image itself (``_auto_resize``);
-        at another it gets the image resized by this family's rule and only floors its sides."""
+        """The stock ``FluxKontextPipeline.__call__`` on `images` (one uint8 [3, H, W] as sent: the pipeline resizes
+        it, ``_auto_resize``), generating params.height x params.width (``max_area`` set to it: the stock default
+        rescales the output to 1024 x 1024). At an ``input_image_area`` other than 1024 x 1024 its resolution list
+        is replaced by :func:`kontext_resolutions` for the call (the tiny checkpoint conditions on about 32 x 32 px)."""
         if len(images) != 1:
             raise ValueError(f"{self.family} takes exactly one input image; got {len(images)}")
-        auto = self.input_image_area == STOCK_INPUT_IMAGE_AREA
-        image = images[0] if auto else self.geometry.resize_input_image(images[0])
         cfg = params.guidance_scale > 1
-        return self.pipeline(
-            image=to_pil(image), prompt=prompt, negative_prompt=params.negative_prompt if cfg else None,
-            true_cfg_scale=params.guidance_scale, guidance_scale=self.distilled_guidance,
-            height=params.height, width=params.width, max_area=params.height * params.width, _auto_resize=auto,
-            num_inference_steps=params.num_steps, max_sequence_length=self.max_sequence_length,
-            latents=latents.clone(), num_images_per_prompt=len(latents), output_type="pt",
-        ).images
+        area = self.input_image_area
+        resolutions = {} if area == STOCK_INPUT_IMAGE_AREA else {
+            "PREFERRED_KONTEXT_RESOLUTIONS": list(kontext_resolutions(area))}
+        with stock_globals(pipeline_flux_kontext, **resolutions):
+            return self.pipeline(
+                image=to_pil(images[0]), prompt=prompt, negative_prompt=params.negative_prompt if cfg else None,
+                true_cfg_scale=params.guidance_scale, guidance_scale=self.distilled_guidance,
+                height=params.height, width=params.width, max_area=params.height * params.width,
+                num_inference_steps=params.num_steps, max_sequence_length=self.max_sequence_length,
+                latents=latents.clone(), num_images_per_prompt=len(latents), output_type="pt",
+            ).images

@@ -16,9 +16,7 @@ What the stock ``QwenImageEditPipeline`` does, and so what this adapter does:
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +26,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from serve_app.media import to_pil
 from serve_app.models.tokenizer_cache import load_tokenizer
-from serve_app.policies.base import TextProcessor, per_input_image_shapes, stack_padded
+from serve_app.policies.base import TextProcessor, per_input_image_shapes, stack_padded, stock_globals
 from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
@@ -47,7 +45,8 @@ IMAGE_PAD = "<|image_pad|>"
 # The area QwenImageEditPipeline.__call__ resizes an input image to (calculate_dimensions(1024 * 1024, ...)).
 STOCK_INPUT_IMAGE_AREA = 1024 * 1024
 _PROCESSOR = "serve_app.models.vl_processor:Qwen2VLImageOnlyProcessor"
-_STOCK_AREA_LOCK = threading.Lock()
+# Taken at import, so a replacement for one call (stock_call) never wraps another's.
+_STOCK_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions
 
 
 class QwenImageEditTextProcessor(TextProcessor):
@@ -168,7 +167,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
         if len(images) != 1:
             raise ValueError(f"{self.family} takes exactly one input image; got {len(images)}")
         cfg = params.guidance_scale > 1
-        with self._stock_input_area():
+        with stock_globals(pipeline_qwenimage_edit, **self._stock_input_area()):
             return self.pipeline(
                 image=to_pil(images[0]), prompt=prompt, negative_prompt=params.negative_prompt if cfg else None,
                 true_cfg_scale=params.guidance_scale, height=params.height, width=params.width,
@@ -176,18 +175,13 @@ class QwenImageEditPolicy(QwenImagePolicy):
                 output_type="pt",
             ).images
 
-    @contextlib.contextmanager
-    def _stock_input_area(self) -> Iterator[None]:
+    def _stock_input_area(self) -> dict[str, Callable[[int, float], tuple[int, int, None]]]:
+        """The stock module's globals to replace for this policy's input area: none at 1024 x 1024; else its
+        calculate_dimensions, which its ``__call__`` hands 1024 x 1024 inline, at our area."""
         if self.input_image_area == STOCK_INPUT_IMAGE_AREA:
-            yield
-            return
-        stock = pipeline_qwenimage_edit.calculate_dimensions
-        with _STOCK_AREA_LOCK:
-            pipeline_qwenimage_edit.calculate_dimensions = lambda _area, ratio: stock(self.input_image_area, ratio)
-            try:
-                yield
-            finally:
-                pipeline_qwenimage_edit.calculate_dimensions = stock
+            return {}
+        area = self.input_image_area
+        return {"calculate_dimensions": lambda _area, ratio: _STOCK_CALCULATE_DIMENSIONS(area, ratio)}
 
 
 def _expand_image_pads(ids: Sequence[torch.Tensor], images: Sequence[int], pad_id: int,

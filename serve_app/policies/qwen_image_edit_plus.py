@@ -16,9 +16,7 @@ this adapter adds to :class:`~serve_app.policies.qwen_image_edit.QwenImageEditPo
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -28,6 +26,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
 from serve_app.media import to_pil
 from serve_app.models.tokenizer_cache import load_tokenizer
+from serve_app.policies.base import stock_globals
 from serve_app.policies.qwen_image_edit import (
     EDIT_TEMPLATE_HEADER,
     EDIT_TEMPLATE_PREFIX_TOKENS,
@@ -43,7 +42,6 @@ PICTURE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 # The stock pipeline's areas (CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE).
 STOCK_CONDITION_IMAGE_AREA = 384 * 384
 STOCK_VAE_IMAGE_AREA = 1024 * 1024
-_STOCK_AREA_LOCK = threading.Lock()
 
 
 class QwenImageEditPlusTextProcessor(QwenImageEditTextProcessor):
@@ -110,21 +108,11 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
         resizes each twice). At areas other than the pipeline's, its two constants are replaced for the call."""
         self.geometry.check_input_image_count(len(images), "images")
         cfg = params.guidance_scale > 1
-        with self._stock_areas():
+        areas = {"CONDITION_IMAGE_SIZE": self.condition_image_area, "VAE_IMAGE_SIZE": self.input_image_area}
+        with stock_globals(pipeline_qwenimage_edit_plus, **areas):
             return self.pipeline(
                 image=[to_pil(image) for image in images], prompt=prompt,
                 negative_prompt=params.negative_prompt if cfg else None, true_cfg_scale=params.guidance_scale,
                 height=params.height, width=params.width, num_inference_steps=params.num_steps,
                 latents=latents.clone(), num_images_per_prompt=len(latents), output_type="pt",
             ).images
-
-    @contextlib.contextmanager
-    def _stock_areas(self) -> Iterator[None]:
-        module = pipeline_qwenimage_edit_plus
-        with _STOCK_AREA_LOCK:
-            stock = module.CONDITION_IMAGE_SIZE, module.VAE_IMAGE_SIZE
-            module.CONDITION_IMAGE_SIZE, module.VAE_IMAGE_SIZE = self.condition_image_area, self.input_image_area
-            try:
-                yield
-            finally:
-                module.CONDITION_IMAGE_SIZE, module.VAE_IMAGE_SIZE = stock

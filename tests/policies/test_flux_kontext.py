@@ -5,12 +5,22 @@ tests/deployments/test_app_edit.py.)"""
 
 import pytest
 import torch
+from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from serve_app.errors import InvalidRequestError
 from serve_app.media import to_pil
 from serve_app.policies import detect_family, load_policy
 from serve_app.policies.flux_kontext import STOCK_INPUT_IMAGE_AREA, FluxKontextPolicy
 from serve_app.schemas import PromptTokens
+
+from tests.policies.stock_resize import (
+    near_ratios,
+    ours_or_refused,
+    released_pipeline,
+    stock_resize,
+    sweep_sizes,
+    unusable,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +59,40 @@ def test_at_the_stock_area_an_input_image_takes_the_size_the_stock_pipeline_give
         policy.pipeline(image=to_pil(_image(0, height, width)), prompt="a cat", height=32, width=32,
                         max_area=32 * 32, num_inference_steps=2, output_type="pt")
     assert policy.geometry.input_image_size(height, width) == asked["size"]
+
+
+def test_at_the_released_area_every_input_size_takes_the_size_the_stock_pipeline_gives_it(policy):
+    """The stock __call__ at the released VAE factor (image processor and multiple_of at 16 px), each image
+    stopped where it is preprocessed, over odd sides, sides beside multiples of 16, extreme aspect ratios and
+    ratios within a pixel of halfway between two Kontext sizes: our geometry takes the same size, and refuses
+    exactly the images the stock pipeline cannot size (under 16 px tall: it divides by zero)."""
+    released = released_pipeline(policy.pipeline)
+    geometry = FluxKontextPolicy(released, device=torch.device("cpu"), dtype=torch.float32).geometry
+    assert geometry.input_image_multiple == 16 and geometry.input_image_area == STOCK_INPUT_IMAGE_AREA
+    embeds, pooled, _ = policy.pipeline.encode_prompt(prompt="a cat", prompt_2=None, device="cpu",
+                                                      max_sequence_length=policy.max_sequence_length)
+    ratios = [w / h for w, h in PREFERRED_KONTEXT_RESOLUTIONS]
+    ties = near_ratios([(a + b) / 2 for a, b in zip(ratios, ratios[1:])])
+    sizes = sweep_sizes((30, 50), (50, 66), (230, 400), (600, 1000), (720, 1280), (1000, 1000), (1000, 1500), *ties)
+    differ = []
+    for height, width in sizes:
+        stock = stock_resize(released, height, width, prompt_embeds=embeds, pooled_prompt_embeds=pooled,
+                             max_area=32 * 32, max_sequence_length=policy.max_sequence_length)
+        ours = ours_or_refused(geometry.input_image_size, height, width)
+        agrees = (unusable(stock.preprocessed, geometry) if ours is None
+                  else stock.error is None and ours == stock.resized == stock.preprocessed)
+        if not agrees:
+            differ.append(f"{height}x{width}: ours {ours}, stock {stock}")
+    assert not differ, f"{len(differ)} of {len(sizes)} sizes differ:\n" + "\n".join(differ[:20])
+
+
+def test_an_input_image_under_16_px_tall_is_refused_naming_it(policy):
+    geometry = FluxKontextPolicy(released_pipeline(policy.pipeline), device=torch.device("cpu"),
+                                 dtype=torch.float32).geometry
+    with pytest.raises(InvalidRequestError, match="15x100 is less than 16 px tall") as info:
+        geometry.input_image_size(15, 100, "images[0][0]")
+    assert info.value.field == "images[0][0]"
+    assert geometry.input_image_size(100, 15) == (1568, 672)  # a width under 16 is ratio 0 there: the tallest
 
 
 def test_the_input_image_latents_are_the_stock_pipelines(policy):

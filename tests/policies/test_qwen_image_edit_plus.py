@@ -22,6 +22,16 @@ from serve_app.policies.qwen_image_edit_plus import (
     QwenImageEditPlusPolicy,
 )
 
+from tests.policies.stock_resize import (
+    near_ratios,
+    ours_or_refused,
+    released_pipeline,
+    stock_resize,
+    sweep_sizes,
+    unusable,
+)
+from tests.policies.test_qwen_image_edit import rounding_ties
+
 
 @pytest.fixture(scope="module")
 def plus_dir(flowgrpo_home):
@@ -71,6 +81,30 @@ def test_each_input_image_gets_the_two_copies_the_stock_pipeline_makes(policy, h
     ours = geometry.resize_condition_image(image)
     assert ours.shape == (3, condition_height, condition_width)
     assert np.array_equal(ours.permute(1, 2, 0).numpy(), np.asarray(stock))
+
+
+def test_at_the_released_areas_every_input_size_gets_the_two_copies_the_stock_pipeline_makes(policy):
+    """The stock __call__ at the released VAE factor, each image stopped where its VAE copy is preprocessed, over
+    odd sides, sides beside multiples of 32, extreme aspect ratios and ratios within a pixel of a rounding tie at
+    either area: the encoder's copy and the VAE's are our sizes, and we refuse exactly the images the stock
+    pipeline resizes to nothing (a side rounded to 0)."""
+    released = released_pipeline(policy.pipeline)
+    geometry = QwenImageEditPlusPolicy(released, device=torch.device("cpu"), dtype=torch.float32).geometry
+    assert geometry.spatial_multiple == 16
+    areas = (geometry.input_image_area, geometry.condition_image_area)
+    assert areas == (STOCK_VAE_IMAGE_AREA, STOCK_CONDITION_IMAGE_AREA)
+    ties = rounding_ties(STOCK_VAE_IMAGE_AREA) + rounding_ties(STOCK_CONDITION_IMAGE_AREA)
+    sizes = sweep_sizes(*near_ratios(ties))
+    differ = []
+    for height, width in sizes:
+        stock = stock_resize(released, height, width, prompt="make it red")
+        vae = ours_or_refused(geometry.input_image_size, height, width)
+        condition = ours_or_refused(geometry.condition_image_size, height, width)
+        vae_agrees = unusable(stock.preprocessed, geometry) if vae is None else vae == stock.preprocessed
+        condition_agrees = unusable(stock.resized, geometry) if condition is None else condition == stock.resized
+        if stock.error is not None or not (vae_agrees and condition_agrees):
+            differ.append(f"{height}x{width}: ours {vae} (VAE), {condition} (encoder), stock {stock}")
+    assert not differ, f"{len(differ)} of {len(sizes)} sizes differ:\n" + "\n".join(differ[:20])
 
 
 def test_a_prompt_without_its_encoder_copies_is_refused(policy):
