@@ -33,10 +33,10 @@ def benchmark_cluster(*, http_port: int | None) -> Iterator[None]:
     """A one-node Ray cluster (with Serve on loopback unless `http_port` is None) for a script whose
     stdout must stay one JSON document: fd 1 goes to stderr while Ray runs (its workers and shutdown
     write there)."""
+    loopback_ray_env()  # before Ray is imported: it reads RAY_AUTH_MODE at import
     import ray
     from ray import serve
 
-    loopback_ray_env()
     env = {k: os.environ[k] for k in ("FLOWGRPO_HOME", "HF_HUB_OFFLINE") if k in os.environ}
     sys.stdout.flush()
     stdout_fd = os.dup(1)

@@ -35,7 +35,8 @@ class InProcessSource:
         self.planner = RolloutPlanner(policy.text_processor(), IngressConfig(chunk_size=4), SAMPLING,
                                       policy.geometry, max_work=2**22)
 
-    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True):
+    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True,
+                return_images=False):
         plan = self.planner.plan(RolloutRequest(prompts=list(prompts), group_size=group_size, seed=seed,
                                                 policy_version=policy_version))
         results, _ = self.engine.generate(plan.chunks)

@@ -4,9 +4,9 @@ group spans chunks), the trainer's replay of the batch at ratio 1, and bad image
 
 import base64
 import io
-import json
 import zlib
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,6 +18,7 @@ from serve_app.media import png_base64
 from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import RolloutRequest, SamplingParams
 from serve_app.serving.ingress import RolloutPlanner
+from tests.http_server import serve_http
 
 # Chunks of 2 samples: a group of 3 spans two chunks (two replicas' calls in a cluster).
 OVERRIDES = ["model=tiny_qwen_image_edit", "sampling.num_steps=3", "sampling.sde_window_range=[0,1]",
@@ -31,6 +32,17 @@ def _image(seed: int, height: int = 24, width: int = 40) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def handle(start_local_app):
     return start_local_app("diffusion_rollout", OVERRIDES, name="flowgrpo-edit-local")
+
+
+@pytest.fixture(scope="module")
+def url(handle):
+    """The app's HTTP API on loopback (tests/http_server.py)."""
+    with serve_http(handle) as address:
+        yield address
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/rollouts", json=body, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +80,16 @@ def test_the_trainer_replays_the_batch_at_ratio_one(batch):
     assert verdict.ok, verdict.message
 
 
-def test_http_takes_base64_pngs_and_names_a_bad_image(handle):
+def test_http_takes_base64_pngs_and_names_a_bad_image(handle, url):
     body = {"prompts": ["make it red"], "group_size": 2, "seed": 3, "images": [png_base64(_image(0)[None])]}
-    answer = handle.http_rollout.remote(RolloutRequest.model_validate_json(json.dumps(body))).result()
+    answer = _post(url, body).json()
     same = handle.rollout.remote(RolloutRequest(prompts=["make it red"], group_size=2, seed=3,
                                                 images=[[_image(0)]])).result()
-    assert [s.log_probs for s in answer.samples] == same.header.log_probs.tolist()  # PNG is lossless
+    assert [s["log_probs"] for s in answer["samples"]] == same.header.log_probs.tolist()  # PNG is lossless
 
     def refused(images, **extra) -> tuple[int, dict]:
-        request = RolloutRequest.model_validate({"prompts": ["a", "b"], "group_size": 1, "images": images, **extra})
-        response = handle.http_rollout.remote(request).result()
-        return response.status_code, json.loads(response.body)
+        response = _post(url, {"prompts": ["a", "b"], "group_size": 1, "images": images, **extra})
+        return response.status_code, response.json()
 
     good = png_base64(_image(0)[None])[0]
     status, error = refused([[good], ["bm90IGFuIGltYWdl"]])  # base64 of "not an image"
@@ -104,9 +115,9 @@ def test_http_takes_base64_pngs_and_names_a_bad_image(handle):
 
 
 def test_the_openapi_documents_the_images():
-    from deployments.tokenizer_ingress import api
+    from serve_app.serving.http_api import build_http_api
 
-    schema = api.openapi()["components"]["schemas"]["RolloutRequest"]["properties"]["images"]
+    schema = build_http_api(None, token=None, max_upload_bytes=1).openapi()["components"]["schemas"]["RolloutRequest"]["properties"]["images"]
     item = schema["anyOf"][0]["items"]["items"]
     assert item["contentMediaType"] == "image/png" and item["contentEncoding"] == "base64"
     assert "one list per prompt" in schema["description"]
@@ -187,8 +198,9 @@ def test_qwen_image_edit_plus_conditions_each_group_on_its_images_and_replays_at
     # Over HTTP: a list of base64 PNGs per prompt gives the same samples.
     first, second, other = (png_base64(image[None])[0] for image in (_image(0), wide, _image(1)))
     body = {**request, "images": [[first, second], [other]]}
-    answer = handle.http_rollout.remote(RolloutRequest.model_validate_json(json.dumps(body))).result()
-    assert [s.log_probs for s in answer.samples] == batch.header.log_probs.tolist()
+    with serve_http(handle) as address:
+        answer = _post(address, body).json()
+    assert [s["log_probs"] for s in answer["samples"]] == batch.header.log_probs.tolist()
     # Four images are one too many, named by field.
     with pytest.raises(InvalidRequestError, match="1 to 3 input image") as info:
         handle.rollout.remote(RolloutRequest(**request, images=[[_image(0)] * 4, [_image(1)]])).result()

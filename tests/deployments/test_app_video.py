@@ -84,7 +84,7 @@ def test_bad_frame_counts_and_oversized_videos_are_refused_naming_the_field(hand
 
 
 def test_the_http_answer_carries_one_mp4_per_sample(batch):
-    from deployments.tokenizer_ingress import to_response
+    from serve_app.serving.ingress import to_response
     from serve_app.media import decode_mp4
 
     answer = json.loads(to_response(batch, images=batch.images).model_dump_json(exclude_none=True))

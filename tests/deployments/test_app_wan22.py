@@ -42,7 +42,7 @@ def test_a_two_expert_rollout_by_handle_replays_with_ratio_one(batch):
 
 
 def test_the_http_answer_carries_one_mp4_per_sample(batch):
-    from deployments.tokenizer_ingress import to_response
+    from serve_app.serving.ingress import to_response
     from serve_app.media import decode_mp4
 
     answer = json.loads(to_response(batch, images=batch.images).model_dump_json(exclude_none=True))

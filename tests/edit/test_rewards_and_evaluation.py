@@ -44,7 +44,7 @@ class EditClient:
         self.targets = {(e.instruction.text(), e.source.render().tobytes()): e.target.render()
                         for s in ("held_out", "train") for e in eval_examples(s)}
 
-    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch, images):
+    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch, return_images, images):
         self.requests.append((list(prompts), images))
         prompt_index, _, seeds = group_layout(seed, len(prompts), group_size)
         drawn = []

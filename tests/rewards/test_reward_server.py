@@ -8,6 +8,7 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from serve_app.rewards.composite import CompositeReward, RewardError, RewardSpec
 from serve_app.schemas import PromptEmbeds, RolloutRequest, SamplingParams, Trajectory
 
 from tests.collect import collect
+from tests.http_server import serve_http
 
 
 @register_reward("test_server_fails_on")
@@ -78,7 +80,7 @@ def test_a_group_the_reward_fails_on_is_dropped_and_named(app):
     why = batch.dropped_groups[1]
     assert "'test_server_fails_on' failed on prompt 'an unscorable dog'" in why and "(after 2 attempts)" in why
     assert "ConnectionError: scorer refused" in why
-    from deployments.tokenizer_ingress import to_response
+    from serve_app.serving.ingress import to_response
 
     answer = json.loads(to_response(batch, images=None).model_dump_json())  # what HTTP callers read
     assert answer["dropped_groups"] == {"1": why} and len(answer["samples"]) == 4
@@ -92,8 +94,9 @@ def test_a_failing_reward_fails_the_request_with_502_naming_it(app):
     status, body = http_error(info.value)
     assert status == 502 and body["error"] == "reward_failed"
     assert body["message"] == "reward 'test_server_fails_on' failed on prompt 'a fatal dog': ConnectionError: scorer refused 'a fatal dog'"
-    response = app.http_rollout.remote(request).result()  # the HTTP route's own answer
-    assert response.status_code == 502 and json.loads(response.body)["message"] == body["message"]
+    with serve_http(app) as url:  # the HTTP route's own answer
+        response = httpx.post(f"{url}/v1/rollouts", json=request.model_dump(exclude_none=True), timeout=120)
+    assert response.status_code == 502 and response.json()["message"] == body["message"]
 
 
 # --- a stub HTTP scorer on loopback: 0.5 s per answer, 5% 503 -----------------------------------

@@ -93,7 +93,7 @@ class RenderingClient:
         self.right = right
         self.right_odd = right if right_odd is None else right_odd
 
-    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch):
+    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch, return_images):
         assert not fetch  # an evaluation reads images and ids, never the transitions
         prompt_index, sample_index, seeds = group_layout(seed, len(prompts), group_size)
         rng = np.random.default_rng(0)

@@ -22,7 +22,7 @@ class RewardClient:
     def __init__(self, reward) -> None:
         self.reward = reward
 
-    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch):
+    def rollout(self, prompts, group_size, *, sampling, policy_version, seed, timeout_s, fetch, return_images):
         assert not fetch  # an evaluation reads images and ids, never the transitions
         prompt_index, sample_index, seeds = group_layout(seed, len(prompts), group_size)
         rewards = torch.tensor([self.reward(p, s) for p, s in zip(prompt_index.tolist(), sample_index.tolist())])
