@@ -36,12 +36,14 @@ test-fast: venv
 # `make demo OUT=outputs/mine` picks the output folder, `make demo WORLD=video` trains the moving-shapes
 # video model (direction accuracy in eval.csv), `make demo WORLD=edit` trains the shipped editing model
 # (held-out edit accuracy in eval.csv), `make demo WORLD=brightness STEPS=60` runs the random tiny model on
-# the brightness reward.
+# the brightness reward, `make demo TRANSPORT=http` trains over the app's HTTP API alone (no Ray in the
+# trainer's process; docs/http.md).
 STEPS ?=
 OUT ?= outputs/demo
 WORLD ?= shapes
+TRANSPORT ?= handle
 demo: venv
-	WORLD=$(WORLD) STEPS=$(STEPS) OUT=$(OUT) PY=$(PY) scripts/demo.sh
+	WORLD=$(WORLD) STEPS=$(STEPS) OUT=$(OUT) TRANSPORT=$(TRANSPORT) PY=$(PY) scripts/demo.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

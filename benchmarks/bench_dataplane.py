@@ -32,6 +32,10 @@ import threading
 import time
 from pathlib import Path
 
+from serve_app.local_ray import loopback_ray_env
+
+loopback_ray_env()  # before Ray is imported: it reads RAY_AUTH_MODE at import
+
 # Counters of pickled / unpickled storage bytes; each process of the job writes its own to a file.
 COUNTS_DIR_ENV = "FLOWGRPO_DATAPLANE_COUNTS"
 
@@ -171,12 +175,10 @@ def measure(args: argparse.Namespace) -> dict:
     from serve_app.app import AppArgs, build_app
     from serve_app.client import RolloutClient
     from serve_app.config import load_config
-    from serve_app.local_ray import loopback_ray_env
     from serve_app.schemas import RolloutRequest
 
     counts_dir = Path(tempfile.mkdtemp(prefix="dataplane-counts-"))
     os.environ[COUNTS_DIR_ENV] = str(counts_dir)
-    loopback_ray_env()
     count_tensor_bytes()
     torch.set_num_threads(2)
     results = []

@@ -1,11 +1,11 @@
 """The HTTP wire protocol beside the handle, side by side in one run on a one-node Ray cluster (127.0.0.1):
 
-- rollouts: the same seeded request by handle (RolloutClient, transitions fetched) and over HTTP
-  (HttpRolloutClient, the binary answer with the trajectories), alternating, at trajectories of 26 kB to
-  3.5 MB a sample (the tiny Qwen-Image at 64 to 768 px, bench_dataplane's workload: 2 prompts x 2 samples,
-  4 steps, a window of 2, chunks of 2, two replicas on one torch thread each); per size the throughput ratio
-  HTTP / handle, the bytes on the wire over the raw tensor bytes, and the JSON answer's size and time
-  beside the binary one's;
+- rollouts: the same seeded request by handle (RolloutClient, transitions and images fetched) and over HTTP
+  (HttpRolloutClient, the binary answer with the trajectories and images), alternating, at 26 kB to 3.5 MB
+  a sample (bench_dataplane's workload and its measure of a sample: the tiny Qwen-Image at 64 to 768 px, 2
+  prompts x 2 samples, 4 steps, a window of 2, chunks of 2, two replicas on one torch thread each); per size
+  the throughput ratio HTTP / handle, the bytes on the wire over the raw tensor bytes (and the header's
+  bytes), and the JSON answer's size and time beside the binary one's;
 - weight versions: a publish over HTTP (POST /v1/weights: encoded, hashed, checked against the served model,
   stored) vs through Ray's object store (RegistryStore.publish_next, what a trainer on the cluster does), for
   the shapes world's LoRA (0.4 MB) and the small model's whole transformer (39 MB), alternating.
@@ -92,12 +92,13 @@ def measure_rollouts(size: int, url: str, token_args: list[str], token: str, rep
     body = {"prompts": PROMPTS, "group_size": group, "seed": 0}
     headers = {"Authorization": f"Bearer {token}"}
     for repeat in range(repeats):
-        paths = [("handle", lambda: by_handle.rollout(PROMPTS, group, seed=0)),
-                 ("http", lambda: over_http.rollout(PROMPTS, group, seed=0))]
+        paths = [("handle", lambda: by_handle.rollout(PROMPTS, group, seed=0, return_images=True)),
+                 ("http", lambda: over_http.rollout(PROMPTS, group, seed=0, return_images=True))]
         for name, call in paths if repeat % 2 == 0 else paths[::-1]:  # either order as often: the noise hits both
             (handle_s if name == "handle" else http_s).append(_timed(call))
         json_s.append(_timed(lambda: httpx.post(f"{url}/{app}/v1/rollouts", json=body, headers=headers, timeout=600)))
-    binary = httpx.post(f"{url}/{app}/v1/rollouts", json={**body, "return_trajectory": True}, timeout=600,
+    binary = httpx.post(f"{url}/{app}/v1/rollouts", json={**body, "return_trajectory": True, "return_images": True},
+                        timeout=600,
                         headers={**headers, "Accept": TRAJECTORY_MEDIA_TYPE}).content
     as_json = httpx.post(f"{url}/{app}/v1/rollouts", json=body, headers=headers, timeout=600).content
     serve.delete(app)
@@ -106,12 +107,13 @@ def measure_rollouts(size: int, url: str, token_args: list[str], token: str, rep
     return {
         "size": size,
         "samples_per_request": samples,
-        "trajectory_bytes_per_sample": tensors / samples,
+        "tensor_bytes_per_sample": tensors / samples,
         "handle_seconds": _summary(handle_s),
         "http_binary_seconds": _summary(http_s),
         "throughput_ratio_http_over_handle": _summary([h / b for h, b in zip(handle_s, http_s)]),
         "wire_bytes_over_tensor_bytes": len(binary) / tensors,
         "binary_answer_bytes": len(binary),
+        "binary_header_bytes": len(binary) - tensors,
         "json_answer_bytes": len(as_json),
         "json_answer_seconds": _summary(json_s),
     }

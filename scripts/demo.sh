@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # make demo: a one-node Ray cluster on 127.0.0.1, the rollout app deployed from serve_config.yaml,
-# the FlowGRPO trainer against it by DeploymentHandle, and the cluster stopped again on exit,
-# Ctrl-C or error.
-#   WORLD=shapes STEPS=100 OUT=outputs/demo scripts/demo.sh [trainer overrides...]
+# the FlowGRPO trainer against it by DeploymentHandle (TRANSPORT=http: over the app's HTTP API alone, with
+# a bearer token made for the run), and the cluster stopped again on exit, Ctrl-C or error.
+#   WORLD=shapes STEPS=100 OUT=outputs/demo TRANSPORT=handle scripts/demo.sh [trainer overrides...]
 # WORLD=shapes (default): the pretrained shapes-world model learns to draw what the prompt asks
 # (held-out strict accuracy in eval.csv); WORLD=video: the pretrained moving-shapes Wan model learns
 # to move its shape the way the prompt asks (direction accuracy in eval.csv); WORLD=edit: the pretrained
@@ -15,6 +15,8 @@ PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
 STEPS=${STEPS:-}  # empty: the trainer config's trainer.steps
 WORLD=${WORLD:-shapes}
+TRANSPORT=${TRANSPORT:-handle}
+case "$TRANSPORT" in handle|http) ;; *) echo "demo: unknown TRANSPORT=$TRANSPORT (handle or http)"; exit 2 ;; esac
 case "$WORLD" in
   shapes) APP_CONFIG=shapes_rollout; TRAINER_CONFIG=trainer/shapes ;;
   video) APP_CONFIG=motion_rollout; TRAINER_CONFIG=trainer/motion ;;
@@ -33,6 +35,7 @@ export RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$PY" -c 'import secrets; print(secret
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 PORT=$(free_port)
 DASHBOARD_PORT=$(free_port)
+HTTP_PORT=$(free_port)
 SERVE_ADDR=http://127.0.0.1:$DASHBOARD_PORT
 # Our own temp dir, so `ray stop` and the trainer's address="auto" only ever see this cluster.
 OWN_TMPDIR=
@@ -82,10 +85,16 @@ dashboard_up || { echo "demo: the Ray dashboard did not come up"; cat "$RAY_TMPD
 
 echo "demo: deploying serve_config.yaml with app config $APP_CONFIG"
 DEPLOY_FILE=$RAY_TMPDIR/serve_config.$WORLD.yaml
-"$PY" - "$APP_CONFIG" "$DEPLOY_FILE" <<'PYEOF'
+# The HTTP API's bearer token, in a file the ingress reads (never in the config itself).
+TOKEN_FILE=$RAY_TMPDIR/api_token
+"$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$TOKEN_FILE"
+"$PY" - "$APP_CONFIG" "$DEPLOY_FILE" "$HTTP_PORT" "$TOKEN_FILE" <<'PYEOF'
 import sys, yaml
 deploy = yaml.safe_load(open("serve_config.yaml"))
-deploy["applications"][0]["args"]["config"] = sys.argv[1]
+deploy["http_options"]["port"] = int(sys.argv[3])
+args = deploy["applications"][0]["args"]
+args["config"] = sys.argv[1]
+args["overrides"] = [*args.get("overrides", []), f"ingress.api_token_file={sys.argv[4]}"]
 yaml.safe_dump(deploy, open(sys.argv[2], "w"), sort_keys=False)
 PYEOF
 "$BIN/serve" deploy --address "$SERVE_ADDR" "$DEPLOY_FILE"
@@ -99,8 +108,13 @@ for _ in $(seq 1 120); do
 done
 echo "$status" | grep -q "status: RUNNING" || { echo "demo: the app did not reach RUNNING"; echo "$status"; exit 1; }
 
-echo "demo: training ${STEPS:-trainer.steps of $TRAINER_CONFIG} steps -> $OUT"
-"$PY" -m serve_app.trainer --config "$TRAINER_CONFIG" ${STEPS:+--steps "$STEPS"} --out "$OUT" --address "$RAY_ADDRESS" "$@"
+echo "demo: training ${STEPS:-trainer.steps of $TRAINER_CONFIG} steps by $TRANSPORT -> $OUT"
+if [ "$TRANSPORT" = http ]; then
+  "$PY" -m serve_app.trainer --config "$TRAINER_CONFIG" ${STEPS:+--steps "$STEPS"} --out "$OUT" \
+    --url "http://127.0.0.1:$HTTP_PORT" --token-file "$TOKEN_FILE" "$@"
+else
+  "$PY" -m serve_app.trainer --config "$TRAINER_CONFIG" ${STEPS:+--steps "$STEPS"} --out "$OUT" --address "$RAY_ADDRESS" "$@"
+fi
 echo "demo: metrics in $OUT/metrics.csv, curve in $OUT/reward_curve.png"
 if [ -f "$OUT/eval.csv" ]; then
   echo "demo: evaluations in $OUT/eval.csv and the pictures $(cd "$OUT" && ls eval_accuracy.png eval_before*.png eval_after*.png 2>/dev/null | tr '\n' ' ')"

@@ -29,7 +29,8 @@ WITHOUT_MODULES = (
 
 
 def run_script(name: str, *args: str, timeout: float = 600, without: tuple[str, ...] = ()) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # As RESULTS.md gives the commands: no RAY_* variable exported by hand (the tests' own are dropped).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "PYTHONPATH": str(REPO)}
     command = [str(REPO / "benchmarks" / name), *args]
     if without:
         command = ["-c", WITHOUT_MODULES, ",".join(without), *command]
@@ -123,6 +124,21 @@ def test_bench_dataplane(flowgrpo_home):
     assert moved["trainer"]["deserialized"] > 0 and moved["aggregator"]["deserialized"] > 0
     assert moved["ingress"]["deserialized"] < per_sample
     assert moved["aggregator"]["deserialized"] < per_sample * size["samples_per_request"]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_bench_http(flowgrpo_home):
+    report = run_script("bench_http.py", "--repeats", "1", "--sizes", "64", "--payloads", "shapes_lora")
+    assert_finite(report)
+    (size,) = report["rollouts"]
+    assert size["throughput_ratio_http_over_handle"]["median"] > 0
+    # The binary answer is its tensors and a header; the JSON one carries no trajectory, so it is smaller.
+    assert size["binary_answer_bytes"] == size["tensor_bytes_per_sample"] * size["samples_per_request"] + \
+        size["binary_header_bytes"]
+    assert 0 < size["json_answer_bytes"] < size["binary_answer_bytes"]
+    lora = report["publish"]["shapes_lora"]
+    assert lora["tensors"] > 0 and lora["http_seconds"]["median"] > 0 and lora["object_store_seconds"]["median"] > 0
 
 
 @pytest.mark.slow
