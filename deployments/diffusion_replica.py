@@ -12,8 +12,7 @@ from ray import serve
 from ray.serve import metrics
 
 from serve_app.config import RolloutConfig
-from serve_app.serving.engine import load_engine as load_backend_engine
-from serve_app.serving.engine_contract import SamplingEngine
+from serve_app.serving.engine import load_engine
 from serve_app.errors import WeightMismatchError
 from serve_app.serving.options import check_running_options
 from serve_app.weights import LoraSpec, WeightKind
@@ -23,11 +22,6 @@ from serve_app.policies.base import ImageGeometry
 from serve_app.schemas import ChunkHeader, RolloutChunk, Trajectory
 
 logger = logging.getLogger("ray.serve")
-
-
-def load_engine(config: RolloutConfig) -> SamplingEngine:
-    """The engine replica.backend names, over the configured model and the weight store the trainer publishes to."""
-    return load_backend_engine(config)
 
 
 class DiffusionReplica:

@@ -188,12 +188,6 @@ class PromptEmbeds:
         prompt's images: one negative row per prompt)."""
         return self.image_latents is not None
 
-    def image_tokens(self) -> torch.Tensor:
-        """[P] long: the real tokens of each row's image latents (0 without images)."""
-        if self.image_shapes is None:
-            return torch.zeros(len(self), dtype=torch.long)
-        return self.image_shapes.prod(dim=-1).sum(dim=-1)
-
     def select(self, index: torch.Tensor) -> PromptEmbeds:
         """Rows for each sample ([B] long index into P), trimmed to the longest selected prompt (and image)."""
         mask = self.mask[index]

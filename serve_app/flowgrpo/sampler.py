@@ -14,13 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from serve_app.flowgrpo.sde import SDEStepResult, draw_noise, sde_step
-from serve_app.flowgrpo.seeding import (
-    draw_window_start,
-    fresh_request_seed,
-    group_layout,
-    group_seeds_for,
-    sample_generators,
-)
+from serve_app.flowgrpo.seeding import RequestSeeds, fresh_request_seed, sample_generators
 from serve_app.media import to_uint8
 from serve_app.schemas import BASE_HASH, PromptEmbeds, PromptTokens, SamplingParams, Trajectory
 
@@ -264,14 +258,12 @@ def sample_group(
     if not prompts:
         raise ValueError("prompts must not be empty")
     request_seed = params.seed if params.seed is not None else fresh_request_seed()
-    prompt_index, sample_index, seeds = group_layout(request_seed, len(prompts), group_size)
-    group_seeds = group_seeds_for(request_seed, prompt_index) if params.group_noise == "shared" else None
-    window_start = None if params.sde_window_size is None else draw_window_start(request_seed, params.sde_window_range)
-    conditioning = encode_conditioning(policy, prompts, prompt_index, negative, params)
+    drawn = RequestSeeds.of(request_seed, len(prompts), group_size, params)
+    conditioning = encode_conditioning(policy, prompts, drawn.prompt_index, negative, params)
     return rollout(
-        policy, conditioning, seeds, params, window_start=window_start,
-        prompt_index=prompt_index, sample_index=sample_index, policy_version=policy_version,
-        weights_hash=weights_hash, group_seeds=group_seeds,
+        policy, conditioning, drawn.seeds, params, window_start=drawn.window_start,
+        prompt_index=drawn.prompt_index, sample_index=drawn.sample_index, policy_version=policy_version,
+        weights_hash=weights_hash, group_seeds=drawn.group_seeds,
     )
 
 

@@ -4,9 +4,12 @@ sample is the same whichever replica or batch it lands in, and a retried request
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from serve_app.schemas import SamplingParams
 
 
 def derive_sample_seed(request_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -54,3 +57,24 @@ def group_layout(request_seed: int, num_prompts: int, group_size: int) -> tuple[
         dtype=torch.long,
     )
     return prompt_index, sample_index, seeds
+
+
+@dataclass(frozen=True)
+class RequestSeeds:
+    """Every seed of one request, derived from its seed alone: the samples in AABB order, their seeds, their
+    groups' seeds (shared group noise, else None) and the SDE window's first step (None without a window)."""
+
+    prompt_index: torch.Tensor
+    sample_index: torch.Tensor
+    seeds: torch.Tensor
+    group_seeds: torch.Tensor | None
+    window_start: int | None
+
+    @classmethod
+    def of(cls, request_seed: int, num_prompts: int, group_size: int, sampling: SamplingParams) -> RequestSeeds:
+        """The seeds of a request of `num_prompts` groups of `group_size` sampled with `sampling` (its group noise
+        and SDE window; its own seed field is not read: `request_seed` is the one resolved for the request)."""
+        prompt_index, sample_index, seeds = group_layout(request_seed, num_prompts, group_size)
+        shared = sampling.group_noise == "shared"
+        return cls(prompt_index, sample_index, seeds, group_seeds_for(request_seed, prompt_index) if shared else None,
+                   None if sampling.sde_window_size is None else draw_window_start(request_seed, sampling.sde_window_range))

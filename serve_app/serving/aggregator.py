@@ -125,9 +125,6 @@ class TrajectoryAssembler:
         self.observer = observer
         self._pool = ThreadPoolExecutor(max_workers=reward_threads, thread_name_prefix="reward")
 
-    def stream(self, prompts: Sequence[str], group_size: int) -> ScoreStream:
-        return ScoreStream(prompts, group_size, per_sample=self.reward.has_per_sample, groupwise=self.reward.has_groupwise)
-
     async def score(self, job: ScoreJob) -> GroupScores:
         """One job's values, or its group's drop. Raises RewardError (fail closed) when a reward with
         ``on_error: fail`` failed after its retries."""

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from serve_app.config import IngressConfig
 from serve_app.errors import InvalidRequestError, RequestTooLargeError
-from serve_app.flowgrpo.seeding import draw_window_start, fresh_request_seed, group_layout, group_seeds_for
+from serve_app.flowgrpo.seeding import RequestSeeds, fresh_request_seed
 from serve_app.policies.base import ImageGeometry, TextProcessor
 from serve_app.media import ImageTooLargeError, decode_image_base64, mp4_base64, png_base64
 from serve_app.rewards import TOTAL_KEY
@@ -108,15 +108,12 @@ class RolloutPlanner:
                 f"prompts x group_size = {total} samples exceeds the limit of {limits.max_samples}", "group_size"
             )
 
-    def input_images(self, request: RolloutRequest) -> list[list[torch.Tensor]]:
-        """Each prompt's input images, decoded, checked and resized to the size the family conditions on
-        (uint8 [3, h, w]); empty lists for a text-to-image family. Raises InvalidRequestError (422) or
-        RequestTooLargeError (413) naming the image, e.g. ``images[0][0]``."""
-        return self.prompt_images(request)[0]
-
     def prompt_images(self, request: RolloutRequest) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        """(:meth:`input_images`, the text encoder's own copies of them): the copies are resized from the
-        images as sent, for a family that keeps them (``geometry.condition_image_area``); empty lists otherwise."""
+        """(each prompt's input images, decoded, checked and resized to the size the family conditions on
+        (uint8 [3, h, w]; empty lists for a text-to-image family), the text encoder's own copies of them): the
+        copies are resized from the images as sent, for a family that keeps them (``geometry.condition_image_area``);
+        empty lists otherwise. Raises InvalidRequestError (422) or RequestTooLargeError (413) naming the image,
+        e.g. ``images[0][0]``."""
         geometry = self.geometry
         if request.images is None:
             if geometry.input_images[0] > 0:
@@ -211,12 +208,9 @@ class RolloutPlanner:
         negative = (
             self.text_processor.tokenize([sampling.negative_prompt])[0] if sampling.guidance_scale > 1.0 else None
         )
-        window_start = (
-            None if sampling.sde_window_size is None else draw_window_start(request_seed, sampling.sde_window_range)
-        )
         # 3. Samples in AABB order (a group is contiguous), cut into chunks of chunk_size latent frames.
-        prompt_index, sample_index, seeds = group_layout(request_seed, len(request.prompts), request.group_size)
-        group_seeds = group_seeds_for(request_seed, prompt_index) if sampling.group_noise == "shared" else None
+        drawn = RequestSeeds.of(request_seed, len(request.prompts), request.group_size, sampling)
+        prompt_index, sample_index, seeds, group_seeds = drawn.prompt_index, drawn.sample_index, drawn.seeds, drawn.group_seeds
         per_chunk = self.samples_per_chunk(sampling)
         chunks = []
         for start in range(0, len(seeds), per_chunk):
@@ -231,7 +225,7 @@ class RolloutPlanner:
                     prompt_index=prompt_index[part].clone(),
                     sample_index=sample_index[part].clone(),
                     seeds=seeds[part].clone(),
-                    window_start=window_start,
+                    window_start=drawn.window_start,
                     policy_version=policy_version,
                     group_seeds=None if group_seeds is None else group_seeds[part].clone(),
                 )

@@ -159,7 +159,7 @@ def test_streamed_scores_equal_scoring_each_whole_group(chunk_size):
     chunks = chunks_of(3, 4, chunk_size)
     order = list(range(len(chunks)))
     random.Random(chunk_size).shuffle(order)
-    stream = asm.stream(PROMPTS, 4)
+    stream = ScoreStream(PROMPTS, 4, per_sample=asm.reward.has_per_sample, groupwise=asm.reward.has_groupwise)
     jobs = [job for i in order for job in stream.add(SampledChunk.of(chunks[i]))]
     assert sum(j.whole_group for j in jobs) == 3
     scores = score_all(asm, jobs)
@@ -252,7 +252,7 @@ def test_non_finite_values_and_timeouts_fail_closed():
 def test_missing_scores_are_never_filled_in():
     asm = assembler({"name": "test_mean"})
     chunks = chunks_of(2, 2, 2)
-    stream = asm.stream(PROMPTS[:2], 2)
+    stream = ScoreStream(PROMPTS[:2], 2, per_sample=asm.reward.has_per_sample, groupwise=asm.reward.has_groupwise)
     jobs = [j for c in chunks for j in stream.add(SampledChunk.of(c))]
     scores = score_all(asm, jobs[:-1])
     with pytest.raises(GroupIncompleteError, match="reward 'test_mean' scored sample 0 of prompt 1 0 times"):
