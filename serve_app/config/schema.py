@@ -18,6 +18,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.config.loader import load_config as _load_config
+from serve_app.families import FamilyName, families_that
 from serve_app.flowgrpo.advantages import StdMode
 from serve_app.imports import is_import_path
 from serve_app.retry import RetryPolicy, refuse_renamed_keys
@@ -32,16 +33,16 @@ class Section(BaseModel):
 
 
 # Families whose pipelines sample videos [B, F, 3, H, W]; the others sample images [B, 3, H, W].
-VIDEO_FAMILIES = ("wan",)
+VIDEO_FAMILIES = families_that(lambda row: row.produces == "videos")
 # Families whose requests carry input images (a request's `images`, one list per prompt).
-IMAGE_CONDITIONED_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus", "flux_kontext")
+IMAGE_CONDITIONED_FAMILIES = families_that(lambda row: row.input_images)
 
 
 class ModelConfig(Section):
     """Which diffusion model the replicas load."""
 
-    family: Literal["qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3", "flux", "flux_kontext", "wan"] = Field(
-        "qwen_image", description="Model family (selects the policy adapter)."
+    family: FamilyName = Field(  # type: ignore[valid-type]
+        "qwen_image", description="Model family (selects the policy adapter): a row of serve_app.families.FAMILIES."
     )
     path: str | None = Field(
         None, description="Local diffusers pipeline directory; None uses the embedded checkpoint `embedded`."
@@ -95,8 +96,9 @@ class ModelConfig(Section):
         if self.input_image_area is not None and self.family not in IMAGE_CONDITIONED_FAMILIES:
             raise ValueError(f"input_image_area is for image-conditioned families "
                              f"({', '.join(IMAGE_CONDITIONED_FAMILIES)}); {self.family!r} takes no input images")
-        if self.condition_image_area is not None and self.family != "qwen_image_edit_plus":
-            raise ValueError(f"condition_image_area is for qwen_image_edit_plus; {self.family!r} keeps no encoder copy "
+        copies = families_that(lambda row: row.encoder_image_copy)
+        if self.condition_image_area is not None and self.family not in copies:
+            raise ValueError(f"condition_image_area is for {', '.join(copies)}; {self.family!r} keeps no encoder copy "
                              "of its input images")
         return self
 

@@ -13,10 +13,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from filelock import FileLock
 
+from serve_app.families import FAMILIES, EmbeddedCheckpoint, FamilyName
 from serve_app.imports import import_object, is_import_path
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
 # are not reused.
 BUILD_VERSION = "v1"
 
-ModelFamily = Literal["qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3", "flux", "flux_kontext", "wan"]
 
 
 class Builder(Protocol):
@@ -43,71 +43,20 @@ class Builder(Protocol):
 class EmbeddedModel:
     """A model built from code on first use (`build`), or a trained one committed to the repo (`shipped`)."""
 
-    family: ModelFamily
+    family: FamilyName  # type: ignore[valid-type]
     build: Builder | None = None
     shipped: Path | None = None
 
 
-# The builders import diffusers/transformers lazily: importing this module (e.g. just for
-# flowgrpo_home) must stay cheap, while those imports take several seconds.
-def _tiny_qwen_image(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_qwen_image import build_tiny_qwen_image
+def _table_builder(checkpoint: EmbeddedCheckpoint) -> Builder:
+    """The builder of a family table row's checkpoint, imported when it first builds: importing this module
+    (e.g. just for flowgrpo_home) must stay cheap, while the builders' diffusers imports take seconds."""
 
-    return build_tiny_qwen_image(out_dir, size="tiny", seed=0, tokenizer_dir=tokenizer_dir)
+    def build(out_dir: Path, *, tokenizer_dir: Path) -> Path:
+        builder = import_object(checkpoint.builder, what=f"the builder of {checkpoint.name}")
+        return builder(out_dir, seed=0, tokenizer_dir=tokenizer_dir, **dict(checkpoint.options))
 
-
-def _small_qwen_image(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_qwen_image import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(out_dir, size="small", seed=0, tokenizer_dir=tokenizer_dir)
-
-
-def _tiny_qwen_image_edit(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
-
-
-def _tiny_qwen_image_edit_plus(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(out_dir, seed=0, tokenizer_dir=tokenizer_dir, plus=True)
-
-
-def _tiny_sd3(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_sd3 import build_tiny_sd3
-
-    return build_tiny_sd3(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
-
-
-def _tiny_flux(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_flux import build_tiny_flux
-
-    return build_tiny_flux(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
-
-
-def _tiny_flux_kontext(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_flux import build_tiny_flux
-
-    return build_tiny_flux(out_dir, seed=0, tokenizer_dir=tokenizer_dir, kontext=True)
-
-
-def _tiny_wan(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_wan import build_tiny_wan
-
-    return build_tiny_wan(out_dir, seed=0, tokenizer_dir=tokenizer_dir)
-
-
-def _tiny_wan22(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_wan import build_tiny_wan
-
-    return build_tiny_wan(out_dir, size="tiny-a14b", seed=0, tokenizer_dir=tokenizer_dir)
-
-
-def _tiny_wan22_ti2v(out_dir: Path, *, tokenizer_dir: Path) -> Path:
-    from .tiny_wan import build_tiny_wan
-
-    return build_tiny_wan(out_dir, size="tiny-ti2v", seed=0, tokenizer_dir=tokenizer_dir)
+    return build
 
 
 def _qwen2_tokenizer(out_dir: Path) -> Path:
@@ -116,17 +65,10 @@ def _qwen2_tokenizer(out_dir: Path) -> Path:
     return build_qwen2_tokenizer(out_dir)
 
 
+# Every family's embedded checkpoints (serve_app.families); worlds ship their own by import path.
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
-    "tiny-qwen-image": EmbeddedModel("qwen_image", build=_tiny_qwen_image),
-    "small-qwen-image": EmbeddedModel("qwen_image", build=_small_qwen_image),
-    "tiny-qwen-image-edit": EmbeddedModel("qwen_image_edit", build=_tiny_qwen_image_edit),
-    "tiny-qwen-image-edit-plus": EmbeddedModel("qwen_image_edit_plus", build=_tiny_qwen_image_edit_plus),
-    "tiny-sd3": EmbeddedModel("sd3", build=_tiny_sd3),
-    "tiny-flux": EmbeddedModel("flux", build=_tiny_flux),
-    "tiny-flux-kontext": EmbeddedModel("flux_kontext", build=_tiny_flux_kontext),
-    "tiny-wan": EmbeddedModel("wan", build=_tiny_wan),
-    "tiny-wan22": EmbeddedModel("wan", build=_tiny_wan22),  # two experts (Wan2.2-T2V-A14B's layout)
-    "tiny-wan22-ti2v": EmbeddedModel("wan", build=_tiny_wan22_ti2v),  # expand_timesteps, 48-channel VAE (TI2V-5B's)
+    checkpoint.name: EmbeddedModel(row.name, build=_table_builder(checkpoint))
+    for row in FAMILIES.values() for checkpoint in row.checkpoints
 }
 
 

@@ -9,13 +9,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.policies.base import DiffusionPolicy, TextProcessor
+from serve_app.families import FAMILIES
+from serve_app.families import family as family_row
+from serve_app.imports import import_object
+from serve_app.policies.base import DiffusionPolicy, PolicySettings, TextProcessor
 
 if TYPE_CHECKING:  # the config's loader pulls Hydra; a policy alone (benchmarks/gpu_rollout.py) needs none of it
     from serve_app.config import ModelConfig
 
 __all__ = [
     "DiffusionPolicy",
+    "PolicySettings",
     "TextProcessor",
     "SUPPORTED_FAMILIES",
     "policy_class",
@@ -28,40 +32,16 @@ __all__ = [
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-SUPPORTED_FAMILIES = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3", "flux", "flux_kontext", "wan")
+SUPPORTED_FAMILIES = tuple(FAMILIES)
 
 
 def policy_class(family: str) -> type[DiffusionPolicy]:
-    # Imported lazily: each family pulls its own diffusers pipeline module.
-    if family == "qwen_image":
-        from serve_app.policies.qwen_image import QwenImagePolicy
+    """The policy class of `family`'s row (imported on first use: each pulls its own diffusers pipeline module).
 
-        return QwenImagePolicy
-    if family == "qwen_image_edit":
-        from serve_app.policies.qwen_image_edit import QwenImageEditPolicy
-
-        return QwenImageEditPolicy
-    if family == "qwen_image_edit_plus":
-        from serve_app.policies.qwen_image_edit_plus import QwenImageEditPlusPolicy
-
-        return QwenImageEditPlusPolicy
-    if family == "sd3":
-        from serve_app.policies.sd3 import SD3Policy
-
-        return SD3Policy
-    if family == "flux":
-        from serve_app.policies.flux import FluxPolicy
-
-        return FluxPolicy
-    if family == "flux_kontext":
-        from serve_app.policies.flux_kontext import FluxKontextPolicy
-
-        return FluxKontextPolicy
-    if family == "wan":
-        from serve_app.policies.wan import WanPolicy
-
-        return WanPolicy
-    raise ValueError(f"unknown model family {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    Raises:
+        ValueError: an unknown family (the message lists the supported ones).
+    """
+    return import_object(family_row(family).policy, what=f"the {family} policy")
 
 
 def detect_family(local_dir: str | Path) -> str:
@@ -74,12 +54,12 @@ def detect_family(local_dir: str | Path) -> str:
             f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     class_name = json.loads(index_file.read_text()).get("_class_name")
-    for family in SUPPORTED_FAMILIES:
-        if class_name in policy_class(family).pipeline_class_names:
-            return family
+    for name, row in FAMILIES.items():
+        if class_name in row.pipelines:
+            return name
     raise ValueError(
         f"{local_dir} holds a {class_name!r} pipeline; supported families: "
-        + ", ".join(f"{f} ({'/'.join(policy_class(f).pipeline_class_names)})" for f in SUPPORTED_FAMILIES)
+        + ", ".join(f"{name} ({'/'.join(row.pipelines)})" for name, row in FAMILIES.items())
     )
 
 
@@ -90,11 +70,14 @@ def load_policy(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     components: Mapping[str, str] | None = None,
+    settings: PolicySettings | None = None,
 ) -> DiffusionPolicy:
     """Load a pipeline directory; `family` is checked against what the directory holds, `components`
-    name the classes of components diffusers does not know (DiffusionPolicy.from_pretrained)."""
+    name the classes of components diffusers does not know (DiffusionPolicy.from_pretrained), `settings`
+    are the model config's settings of the policy."""
     found = _checked_family(local_dir, family)
-    return policy_class(found).from_pretrained(local_dir, device=device, dtype=dtype, components=components)
+    return policy_class(found).from_pretrained(local_dir, device=device, dtype=dtype, components=components,
+                                               settings=settings)
 
 
 def load_text_processor(local_dir: str | Path, *, family: str | None = None) -> TextProcessor:
@@ -110,7 +93,7 @@ def _checked_family(local_dir: str | Path, family: str | None) -> str:
     found = detect_family(local_dir)
     if family is not None and family != found:
         raise ValueError(
-            f"{local_dir} holds a {found} pipeline ({'/'.join(policy_class(found).pipeline_class_names)}), "
+            f"{local_dir} holds a {found} pipeline ({'/'.join(FAMILIES[found].pipelines)}), "
             f"but family {family!r} was asked for"
         )
     return found
@@ -129,13 +112,7 @@ def load_configured_policy(model: ModelConfig) -> DiffusionPolicy:
     """What the replicas and the trainer both load, so their weights at version 0 are the same (eager:
     the sampling engine compiles its own copy when `model.compile` says so)."""
     device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    policy = load_policy(
-        model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype], components=model.components
-    )
-    if model.family in ("flux", "flux_kontext"):
-        policy.distilled_guidance = model.distilled_guidance  # type: ignore[attr-defined]
-    if model.input_image_area is not None:
-        policy.input_image_area = model.input_image_area
-    if model.condition_image_area is not None:
-        policy.condition_image_area = model.condition_image_area
-    return policy
+    settings = PolicySettings(distilled_guidance=model.distilled_guidance, input_image_area=model.input_image_area,
+                              condition_image_area=model.condition_image_area)
+    return load_policy(model_dir(model), family=model.family, device=device, dtype=_DTYPES[model.dtype],
+                       components=model.components, settings=settings)

@@ -254,23 +254,38 @@ class ImageGeometry:
         return per_frame * self.latent_frames(num_frames) // self.temporal_patch
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """What the model config sets on a policy (configs' model.*), given at construction; None keeps the family's
+    own. A setting a family has no use for is ignored (its config refuses it: serve_app.config.ModelConfig)."""
+
+    distilled_guidance: float | None = None  # the guidance embedding's input (families with one: Flux.1)
+    input_image_area: int | None = None  # pixels an input image is resized to (image-conditioned families)
+    condition_image_area: int | None = None  # pixels of the encoder's own copy (Qwen-Image-Edit-Plus)
+
+
 class DiffusionPolicy(abc.ABC):
     """A flow-matching text-to-image (or -video) model: encode prompts, predict velocity (with true CFG),
     decode. Latents are whatever shape the family has ([B, tokens, C] packed, [B, C, H, W], or
     [B, C, F, H, W] for video); the sampler only adds the batch dim."""
 
-    family: ClassVar[str]
+    family: ClassVar[str]  # its row of serve_app.families.FAMILIES
     pipeline_class: ClassVar[type]
-    pipeline_class_names: ClassVar[tuple[str, ...]]  # model_index.json `_class_name`s this family loads
     cfg_renormalize: ClassVar[bool]
     input_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) input images per prompt; text only: none
     input_image_area: int = 0  # image-conditioned families: pixels an input image is resized to
     condition_image_area: int = 0  # ... and the area of the encoder's own copy, for a family that has one
 
-    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype,
+                 settings: PolicySettings | None = None) -> None:
         self.pipeline = pipeline
         self.device = device
         self.dtype = dtype
+        self.settings = settings if settings is not None else PolicySettings()
+        if self.settings.input_image_area is not None:
+            self.input_image_area = self.settings.input_image_area
+        if self.settings.condition_image_area is not None:
+            self.condition_image_area = self.settings.condition_image_area
         self.compiled = False  # whether compile_transformer compiled the transformer's forward
         self._text_processor: TextProcessor | None = None
         # (num_steps, height, width) -> sigmas; held by the policy, so freeing a policy frees its pipeline.
@@ -284,10 +299,12 @@ class DiffusionPolicy(abc.ABC):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         components: Mapping[str, str] | None = None,
+        settings: PolicySettings | None = None,
     ) -> DiffusionPolicy:
         """Load a pipeline directory; ``components`` maps a component folder to the
         ``"package.module:Class"`` whose ``from_pretrained`` loads it (classes outside diffusers and
-        transformers, which diffusers will not import for a checkpoint)."""
+        transformers, which diffusers will not import for a checkpoint); ``settings``: the model config's
+        settings of the policy (PolicySettings)."""
         own = {
             name: import_object(path, what=f"pipeline component {name!r}").from_pretrained(
                 str(Path(local_dir) / name), local_files_only=True
@@ -296,18 +313,18 @@ class DiffusionPolicy(abc.ABC):
         }
         own = {**pipeline_tokenizers(local_dir), **own}
         pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype, **own)
-        return cls.from_pipeline(pipeline, device=device, dtype=dtype)
+        return cls.from_pipeline(pipeline, device=device, dtype=dtype, settings=settings)
 
     @classmethod
     def from_pipeline(cls, pipeline: Any, *, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> DiffusionPolicy:
+                      dtype: torch.dtype = torch.float32, settings: PolicySettings | None = None) -> DiffusionPolicy:
         """A policy over a pipeline already in memory (loaded, or built from configs in code) whose
         weights are in `dtype`: moved to `device`, its progress bar off, its encoders and VAE frozen."""
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in cls._frozen_modules(pipeline):
             module.requires_grad_(False)
-        return cls(pipeline, device=torch.device(device), dtype=dtype)
+        return cls(pipeline, device=torch.device(device), dtype=dtype, settings=settings)
 
     @staticmethod
     @abc.abstractmethod

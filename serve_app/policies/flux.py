@@ -25,7 +25,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-from serve_app.policies.base import PackedLatentPolicy
+from serve_app.policies.base import PackedLatentPolicy, PolicySettings
 from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
 from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens, SamplingParams
 
@@ -49,12 +49,13 @@ T5_SLOT = FluxTextProcessor.t5_slot
 class FluxPolicy(ClipT5Tokenizers, PackedLatentPolicy):
     family = "flux"
     pipeline_class = FluxPipeline
-    pipeline_class_names = ("FluxPipeline",)
     cfg_renormalize = False
 
-    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(pipeline, device=device, dtype=dtype)
-        self.distilled_guidance = DEFAULT_DISTILLED_GUIDANCE
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype,
+                 settings: PolicySettings | None = None) -> None:
+        super().__init__(pipeline, device=device, dtype=dtype, settings=settings)
+        given = self.settings.distilled_guidance
+        self.distilled_guidance = DEFAULT_DISTILLED_GUIDANCE if given is None else given
 
     @staticmethod
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:

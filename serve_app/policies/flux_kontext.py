@@ -46,7 +46,6 @@ def kontext_resolutions(area: int) -> tuple[tuple[int, int], ...]:
 class FluxKontextPolicy(FluxPolicy):
     family = "flux_kontext"
     pipeline_class = FluxKontextPipeline
-    pipeline_class_names = ("FluxKontextPipeline",)
     input_images: ClassVar[tuple[int, int]] = (1, 1)
     input_image_area: int = STOCK_INPUT_IMAGE_AREA
 

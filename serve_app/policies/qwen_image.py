@@ -71,7 +71,6 @@ def without_prefix(hidden: torch.Tensor, lengths: torch.Tensor, prefix: int) -> 
 class QwenImagePolicy(PackedLatentPolicy):
     family = "qwen_image"
     pipeline_class = QwenImagePipeline
-    pipeline_class_names = ("QwenImagePipeline",)
     cfg_renormalize = True
 
     @staticmethod

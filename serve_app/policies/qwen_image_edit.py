@@ -26,7 +26,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from serve_app.media import to_pil
 from serve_app.models.tokenizer_cache import load_tokenizer
-from serve_app.policies.base import TextProcessor, per_input_image_shapes, stack_padded, stock_globals
+from serve_app.policies.base import PolicySettings, TextProcessor, per_input_image_shapes, stack_padded, stock_globals
 from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 
@@ -66,17 +66,17 @@ class QwenImageEditTextProcessor(TextProcessor):
 class QwenImageEditPolicy(QwenImagePolicy):
     family = "qwen_image_edit"
     pipeline_class = QwenImageEditPipeline
-    pipeline_class_names = ("QwenImageEditPipeline",)
     input_images: ClassVar[tuple[int, int]] = (1, 1)
     input_image_area: int = STOCK_INPUT_IMAGE_AREA
 
     @classmethod
     def from_pretrained(cls, local_dir: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, components: Mapping[str, str] | None = None) -> QwenImageEditPolicy:
+                        dtype: torch.dtype = torch.float32, components: Mapping[str, str] | None = None,
+                        settings: PolicySettings | None = None) -> QwenImageEditPolicy:
         """The checkout's ``processor`` folder loads as a Qwen2-VL processor without its video half (which
         needs torchvision), unless ``components`` names another class for it."""
         return super().from_pretrained(local_dir, device=device, dtype=dtype,  # type: ignore[return-value]
-                                       components={"processor": _PROCESSOR, **(components or {})})
+                                       components={"processor": _PROCESSOR, **(components or {})}, settings=settings)
 
     def _make_text_processor(self) -> QwenImageEditTextProcessor:
         return QwenImageEditTextProcessor({"tokenizer": self.pipeline.tokenizer})

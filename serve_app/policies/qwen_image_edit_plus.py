@@ -78,7 +78,6 @@ class QwenImageEditPlusTextProcessor(QwenImageEditTextProcessor):
 class QwenImageEditPlusPolicy(QwenImageEditPolicy):
     family = "qwen_image_edit_plus"
     pipeline_class = QwenImageEditPlusPipeline
-    pipeline_class_names = ("QwenImageEditPlusPipeline",)
     input_images: ClassVar[tuple[int, int]] = (1, 3)
     input_image_area: int = STOCK_VAE_IMAGE_AREA
     condition_image_area: int = STOCK_CONDITION_IMAGE_AREA

@@ -37,7 +37,6 @@ T5_SLOT = SD3TextProcessor.t5_slot
 class SD3Policy(ClipT5Tokenizers, DiffusionPolicy):
     family = "sd3"
     pipeline_class = StableDiffusion3Pipeline
-    pipeline_class_names = ("StableDiffusion3Pipeline",)
     cfg_renormalize = False
 
     @staticmethod

@@ -53,7 +53,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, TextProcessor
+from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, PolicySettings, TextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
 from serve_app.models.tokenizer_cache import load_tokenizer
 
@@ -168,15 +168,15 @@ class WanTextProcessor(TextProcessor):
 class WanPolicy(DiffusionPolicy):
     family = "wan"
     pipeline_class = WanPipeline
-    pipeline_class_names = ("WanPipeline",)
     cfg_renormalize = False
 
-    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype,
+                 settings: PolicySettings | None = None) -> None:
         problems = unsupported_parts(pipeline)
         if problems:
             raise ValueError("this Wan checkout is not supported (text-to-video Wan2.1 / Wan2.2 are): "
                              + "; ".join(problems))
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, device=device, dtype=dtype, settings=settings)
         self._flow_scheduler = flow_match_scheduler(pipeline.scheduler)
         ratio = pipeline.config.get("boundary_ratio")
         # The stock loop's boundary: boundary_ratio x the pipeline scheduler's num_train_timesteps.

@@ -1,8 +1,8 @@
 """The conformance suite's matrix: which engines, on which checkpoints, and each family's stock pipeline.
 
 A new engine joins by adding its factory to ENGINES (it must then pass every test unchanged); a new
-family, or a new layout of one (Wan2.2's two experts, its per-token timesteps), by adding its embedded
-checkpoint to CHECKPOINTS (its policy's ``stock_call`` is the stock pipeline).
+family, or a new layout of one (Wan2.2's two experts, its per-token timesteps), by its row's tiny checkpoint in
+serve_app.families (its policy's ``stock_call`` is the stock pipeline).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from serve_app.families import FAMILIES, families_that
 from serve_app.serving.engine import DiffusersEngine
-from serve_app.policies.base import DiffusionPolicy
+from serve_app.policies.base import DiffusionPolicy, PolicySettings
 from serve_app.schemas import SamplingParams
 
 from tests.conformance.fake_engine import fake_bf16_engine
@@ -22,30 +23,28 @@ from tests.conformance.fake_engine import fake_bf16_engine
 ENGINES: dict[str, Callable] = {"diffusers": DiffusersEngine}
 FLAGGED_ENGINES: dict[str, Callable] = {"fake_bf16": fake_bf16_engine}
 
-# Embedded checkpoint -> its family. tiny-wan22's 3-step schedule crosses its boundary after step 0, so
-# the suite's window (steps 0-1) lies across it and its noise-0 run uses both experts.
-CHECKPOINTS = {
-    "tiny-qwen-image": "qwen_image",
-    "tiny-qwen-image-edit": "qwen_image_edit",
-    "tiny-qwen-image-edit-plus": "qwen_image_edit_plus",
-    "tiny-sd3": "sd3",
-    "tiny-flux": "flux",
-    "tiny-flux-kontext": "flux_kontext",
-    "tiny-wan": "wan",
-    "tiny-wan22": "wan",
-    "tiny-wan22-ti2v": "wan",
-}
+# Embedded checkpoint -> its family: every family's tiny checkpoints (serve_app.families). tiny-wan22's 3-step
+# schedule crosses its boundary after step 0, so the suite's window (steps 0-1) lies across it and its noise-0
+# run uses both experts.
+CHECKPOINTS = {checkpoint.name: row.name for row in FAMILIES.values() for checkpoint in row.checkpoints
+               if checkpoint.role == "tiny"}
+# Each tiny checkpoint's model config (configs/model/<config>.yaml), whose policy settings its policy gets.
+CHECKPOINT_CONFIGS = {checkpoint.name: checkpoint.config for row in FAMILIES.values() for checkpoint in row.checkpoints}
 
 # Sampling a family needs beyond the suite's common settings: video families sample a few frames.
-FAMILY_SAMPLING = {"wan": {"num_frames": 5}}
+FAMILY_SAMPLING = {name: {"num_frames": 5} for name in families_that(lambda row: row.produces == "videos")}
 
 
-# Settings of a family's policy that its embedded checkpoint's config states (configs/model/*.yaml).
-FAMILY_POLICY = {
-    "qwen_image_edit": {"input_image_area": 32 * 32},
-    "qwen_image_edit_plus": {"input_image_area": 32 * 32, "condition_image_area": 32 * 32},
-    "flux_kontext": {"input_image_area": 32 * 32},
-}
+def checkpoint_settings(checkpoint: str) -> PolicySettings:
+    """The policy settings the checkpoint's model config states (input areas, distilled guidance)."""
+    import yaml
+
+    from serve_app.config import ModelConfig, default_config_dir
+
+    path = default_config_dir() / "model" / f"{CHECKPOINT_CONFIGS[checkpoint]}.yaml"
+    model = ModelConfig.model_validate(yaml.safe_load(path.read_text()))
+    return PolicySettings(distilled_guidance=model.distilled_guidance, input_image_area=model.input_image_area,
+                          condition_image_area=model.condition_image_area)
 
 
 def _input_image(index: int, height: int = 30, width: int = 50) -> torch.Tensor:
@@ -66,6 +65,7 @@ FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
                                                         for i in range(prompts)]},
     "flux_kontext": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
 }
+assert set(FAMILY_REQUEST) == set(families_that(lambda row: row.input_images)), "every image family needs its images"
 
 
 def checkpoint_sampling(checkpoint: str, params: SamplingParams) -> SamplingParams:
@@ -95,10 +95,8 @@ def conformance_policies(flowgrpo_home):
 
     def get(checkpoint: str) -> DiffusionPolicy:
         if checkpoint not in loaded:
-            family = CHECKPOINTS[checkpoint]
-            loaded[checkpoint] = load_policy(ensure_embedded_model(checkpoint), family=family)
-            for name, value in FAMILY_POLICY.get(family, {}).items():
-                setattr(loaded[checkpoint], name, value)
+            loaded[checkpoint] = load_policy(ensure_embedded_model(checkpoint), family=CHECKPOINTS[checkpoint],
+                                             settings=checkpoint_settings(checkpoint))
         return loaded[checkpoint]
 
     return get

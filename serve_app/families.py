@@ -1,0 +1,91 @@
+"""The model families this service samples: one row each, data only. Config validation, policy loading, the
+embedded checkpoints, the conformance suite and the docs read this table; a new family is one row here and one
+policy module (serve_app/policies/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class EmbeddedCheckpoint:
+    """A checkpoint built from code on first use (serve_app.models.ensure_embedded_model): random weights at the
+    family's real architecture, miniature sizes. `role`: "tiny" checkpoints are what every test and the
+    conformance suite run each family on; "benchmark" ones are larger, for figures."""
+
+    name: str  # the name configs give as model.embedded
+    builder: str  # "package.module:function", called as builder(out_dir, seed=0, tokenizer_dir=..., **options)
+    config: str  # its model config, configs/model/<config>.yaml
+    options: tuple[tuple[str, Any], ...] = ()
+    role: Literal["tiny", "benchmark"] = "tiny"
+    note: str = ""  # what it stands for, when the family has several layouts
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: the diffusers pipelines it loads, its policy, what it samples and takes."""
+
+    name: str
+    pipelines: tuple[str, ...]  # model_index.json `_class_name`s of the checkpoints it loads
+    policy: str  # "package.module:Class" of its DiffusionPolicy
+    produces: Literal["images", "videos"]
+    input_images: bool  # requests carry input images per prompt (editing)
+    experts: tuple[str, ...]  # transformer components a checkpoint may have (Wan2.2-A14B: two)
+    distilled_guidance: bool = False  # a guidance embedding fed model.distilled_guidance (Flux.1-dev)
+    encoder_image_copy: bool = False  # the text encoder sees its own copy of each input image (model.condition_image_area)
+    checkpoints: tuple[EmbeddedCheckpoint, ...] = field(default_factory=tuple)
+
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (
+    Family("qwen_image", ("QwenImagePipeline",), "serve_app.policies.qwen_image:QwenImagePolicy", "images", False,
+           ("transformer",), checkpoints=(
+               EmbeddedCheckpoint("tiny-qwen-image", "serve_app.models.tiny_qwen_image:build_tiny_qwen_image",
+                                  "tiny_qwen_image", (("size", "tiny"),)),
+               EmbeddedCheckpoint("small-qwen-image", "serve_app.models.tiny_qwen_image:build_tiny_qwen_image",
+                                  "small_qwen_image", (("size", "small"),), role="benchmark",
+                                  note="4 layers, 256 wide"))),
+    Family("qwen_image_edit", ("QwenImageEditPipeline",), "serve_app.policies.qwen_image_edit:QwenImageEditPolicy",
+           "images", True, ("transformer",), checkpoints=(
+               EmbeddedCheckpoint("tiny-qwen-image-edit", "serve_app.models.tiny_qwen_image_edit:build_tiny_qwen_image_edit",
+                                  "tiny_qwen_image_edit"),)),
+    Family("qwen_image_edit_plus", ("QwenImageEditPlusPipeline",),
+           "serve_app.policies.qwen_image_edit_plus:QwenImageEditPlusPolicy", "images", True, ("transformer",),
+           encoder_image_copy=True, checkpoints=(
+               EmbeddedCheckpoint("tiny-qwen-image-edit-plus",
+                                  "serve_app.models.tiny_qwen_image_edit:build_tiny_qwen_image_edit",
+                                  "tiny_qwen_image_edit_plus", (("plus", True),)),)),
+    Family("sd3", ("StableDiffusion3Pipeline",), "serve_app.policies.sd3:SD3Policy", "images", False, ("transformer",),
+           checkpoints=(EmbeddedCheckpoint("tiny-sd3", "serve_app.models.tiny_sd3:build_tiny_sd3", "tiny_sd3"),)),
+    Family("flux", ("FluxPipeline",), "serve_app.policies.flux:FluxPolicy", "images", False, ("transformer",),
+           distilled_guidance=True,
+           checkpoints=(EmbeddedCheckpoint("tiny-flux", "serve_app.models.tiny_flux:build_tiny_flux", "tiny_flux"),)),
+    Family("flux_kontext", ("FluxKontextPipeline",), "serve_app.policies.flux_kontext:FluxKontextPolicy", "images",
+           True, ("transformer",), distilled_guidance=True, checkpoints=(
+               EmbeddedCheckpoint("tiny-flux-kontext", "serve_app.models.tiny_flux:build_tiny_flux", "tiny_flux_kontext",
+                                  (("kontext", True),)),)),
+    Family("wan", ("WanPipeline",), "serve_app.policies.wan:WanPolicy", "videos", False, ("transformer", "transformer_2"),
+           checkpoints=(
+               EmbeddedCheckpoint("tiny-wan", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan", note="Wan2.1"),
+               EmbeddedCheckpoint("tiny-wan22", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan22",
+                                  (("size", "tiny-a14b"),), note="Wan2.2-T2V-A14B's two experts"),
+               EmbeddedCheckpoint("tiny-wan22-ti2v", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan22_ti2v",
+                                  (("size", "tiny-ti2v"),), note="Wan2.2-TI2V-5B's per-token timesteps, 48-channel VAE"))),
+)}
+
+# The config's model.family: any row's name.
+FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
+
+
+def family(name: str) -> Family:
+    """The row of `name`. Raises ValueError naming the families there are."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}") from None
+
+
+def families_that(predicate) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+    """The names of the families `predicate(row)` holds for, in table order."""
+    return tuple(name for name, row in FAMILIES.items() if predicate(row))
