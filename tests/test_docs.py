@@ -99,3 +99,25 @@ def test_each_readme_recipe_is_a_working_app(app, config, overrides, start_local
     frames = load_config(config or "diffusion_rollout", overrides).sampling.num_frames
     images = batch.trajectory.images
     assert images.shape[:2] == (2, frames) if frames > 1 else images.shape[:2] == (2, 3)
+
+
+# Commands the docs give that take seconds, run as written: from the repository root, no RAY_* variable
+# exported (the benchmark scripts' own smoke runs do the same: tests/benchmarks/test_benchmark_scripts.py).
+CHEAP_COMMANDS = [
+    ("-m", "serve_app.config", "shapes_rollout", "sampling.num_steps=7"),
+    ("-m", "serve_app.trainer", "--help"),
+]
+
+
+@pytest.mark.parametrize("command", CHEAP_COMMANDS, ids=[" ".join(c[1:]) for c in CHEAP_COMMANDS])
+def test_cheap_documented_commands_run_as_written(command):
+    import os
+    import subprocess
+    import sys
+
+    documented = "\n".join(line for doc in DOCS for line in code_spans(doc))
+    assert f"python {' '.join(command[:2])}" in documented, "the docs no longer give this command"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip()

@@ -41,9 +41,10 @@ class ConfigError(ValueError):
 
 
 def default_config_dir() -> Path:
-    """$FLOWGRPO_CONFIG_DIR, else the repository's ``configs/``."""
+    """$FLOWGRPO_CONFIG_DIR, else the package's ``configs`` (in a checkout, a link to the repository's
+    ``configs/``; in an installed wheel, the copy it ships)."""
     env = os.environ.get(CONFIG_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
+    return Path(env) if env else Path(__file__).parents[1] / "configs"
 
 
 def load_config(
