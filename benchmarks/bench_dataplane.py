@@ -175,7 +175,7 @@ def measure(args: argparse.Namespace) -> dict:
     from serve_app.app import AppArgs, build_app
     from serve_app.client import RolloutClient
     from serve_app.config import load_config
-    from serve_app.schemas import RolloutRequest
+    from serve_app.api import RolloutRequest
 
     counts_dir = Path(tempfile.mkdtemp(prefix="dataplane-counts-"))
     os.environ[COUNTS_DIR_ENV] = str(counts_dir)

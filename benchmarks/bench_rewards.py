@@ -32,7 +32,7 @@ loopback_ray_env()
 import torch  # noqa: E402
 
 from serve_app.rewards import register_reward  # noqa: E402
-from serve_app.schemas import RolloutRequest  # noqa: E402
+from serve_app.api import RolloutRequest
 
 
 @register_reward("bench_sleep")

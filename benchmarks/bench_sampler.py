@@ -26,7 +26,7 @@ from serve_app.flowgrpo.sampler import initial_latents
 from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.models import ensure_embedded_model
 from serve_app.policies import load_policy
-from serve_app.schemas import SamplingParams
+from serve_app.config.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sampler_timing import (  # noqa: E402  (a sibling module, not a package)

@@ -82,7 +82,8 @@ from serve_app.models import ensure_embedded_model, ensure_qwen2_tokenizer  # no
 from serve_app.models.tiny_parts import cast_like_loaded  # noqa: E402
 from serve_app.policies import load_policy, policy_class  # noqa: E402
 from serve_app.policies.base import DiffusionPolicy  # noqa: E402
-from serve_app.schemas import SamplingParams, Trajectory  # noqa: E402
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import Trajectory
 from serve_app.weights.filesystem import WeightStore  # noqa: E402
 from serve_app.weights.replica import PolicyVersions  # noqa: E402
 from serve_app.weights.versions import ADAPTER, LoraSpec  # noqa: E402

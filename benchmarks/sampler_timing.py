@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.flowgrpo.sampler import SamplingPolicy, encode_conditioning, rollout
-from serve_app.schemas import PromptTokens, SamplingParams, Trajectory
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptTokens, Trajectory
 
 # The window's first step in every timed SDE-window rollout (a fixed start keeps repeats comparable).
 WINDOW_START = 1

@@ -21,18 +21,8 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import RolloutConfig
 from serve_app.errors import InvalidRequestError, ReplicaUnavailableError
 from serve_app.serving.options import check_running_options
-from serve_app.schemas import (
-    BatchLayout,
-    ChunkHeader,
-    GroupScores,
-    PublishedVersion,
-    RolloutChunk,
-    RolloutRequest,
-    SampledChunk,
-    TrajectoryBatch,
-    VersionInfo,
-    VersionList,
-)
+from serve_app.api import PublishedVersion, RolloutRequest, VersionInfo, VersionList
+from serve_app.schemas import BatchLayout, ChunkHeader, GroupScores, RolloutChunk, SampledChunk, TrajectoryBatch
 from serve_app.serving.coordinator import RolloutCoordinator, Scoring
 from serve_app.serving.http_api import api_token, build_http_api
 from serve_app.serving.ingress import RolloutPlanner

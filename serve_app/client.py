@@ -8,7 +8,9 @@ from typing import Any
 
 from serve_app.errors import AppNotDeployedError, ReplicaUnavailableError
 from serve_app.retry import RetryPolicy
-from serve_app.schemas import RolloutRequest, SamplingOverrides, SamplingParams, TrajectoryBatch
+from serve_app.api import RolloutRequest
+from serve_app.config.sampling import SamplingOverrides, SamplingParams
+from serve_app.schemas import TrajectoryBatch
 
 Sampling = SamplingParams | SamplingOverrides | dict
 

@@ -26,15 +26,9 @@ import torch
 from serve_app.errors import RolloutError, error_from_http
 from serve_app.media import png_base64
 from serve_app.retry import RetryPolicy
-from serve_app.schemas import (
-    PublishedVersion,
-    RolloutRequest,
-    SamplingOverrides,
-    SamplingParams,
-    TrajectoryBatch,
-    VersionInfo,
-    VersionList,
-)
+from serve_app.api import PublishedVersion, RolloutRequest, VersionInfo, VersionList
+from serve_app.config.sampling import SamplingOverrides, SamplingParams
+from serve_app.schemas import TrajectoryBatch
 from serve_app.wire import TRAJECTORY_MEDIA_TYPE, WEIGHTS_MEDIA_TYPE, content_hash, decode_batch, encode_weights
 from serve_app.wire.weights import Kind, lora_fields
 

@@ -1,159 +1,27 @@
-"""Request, chunk and trajectory types: the contracts between the ingress, the replicas, the
-aggregator and the trainer, in one place.
+"""The tensor contracts between the ingress, the replicas, the aggregator and the trainer: everything that
+carries tensors is a dataclass of tensors, so nothing numeric turns into Python lists between deployments.
 
-Settings and requests are pydantic models (validated at the edge, JSON-friendly); everything that
-carries tensors is a dataclass of tensors, so nothing numeric turns into Python lists between
-deployments.
+The request and answer types live in serve_app.api, the sampling settings in serve_app.config.sampling; their
+names are importable from here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    Strict,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    PlainValidator,
-    StrictStr,
-    WithJsonSchema,
-    create_model,
-    field_validator,
-    model_validator,
-)
 
+from serve_app.config.sampling import (
+    MAX_FRAMES,
+    MAX_IMAGE_SIDE,
+    SamplingOverrides,
+    SamplingParams,
+)
 from serve_app.stored import NotSent, Stored, resolve, resolve_async
 
 # What a trajectory sampled with version 0 (the base checkpoint, no published tensors) is stamped with.
 BASE_HASH = "base"
-
-# Schema-level caps on image sides and video frames, far above any model's; each model's own limit is tighter.
-MAX_IMAGE_SIDE = 16384
-MAX_FRAMES = 4097
-
-# ---------------------------------------------------------------------------------------------
-# Settings
-
-
-class SamplingParams(BaseModel):
-    """How to sample one rollout request (all samples of a request share these)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # Strict types (no "7" or true for 7) and finite, bounded floats: a value a request gets wrong is a
-    # 422 here, never an overflow or a NaN tensor in a replica. The model's own size limits and the
-    # work budget are checked by the planner, which knows the model.
-    height: StrictInt = Field(
-        32, ge=1, le=MAX_IMAGE_SIDE, description="Image height in pixels; a multiple of the model's spatial factor."
-    )
-    width: StrictInt = Field(
-        32, ge=1, le=MAX_IMAGE_SIDE, description="Image width in pixels; a multiple of the model's spatial factor."
-    )
-    num_frames: StrictInt = Field(
-        1, ge=1, le=MAX_FRAMES,
-        description="Frames per sample: 1 for image families; for video families (wan) num_frames - 1 is a "
-        "multiple of the VAE's temporal factor (4 for Wan2.1: 5, 9, ..., 81).",
-    )
-    num_steps: StrictInt = Field(10, ge=1, le=1000, description="Denoising steps (sigma schedule length - 1).")
-    guidance_scale: StrictFloat = Field(
-        4.0, ge=0.0, le=100.0, allow_inf_nan=False, description="True CFG scale; > 1 runs the negative prompt too."
-    )
-    guidance_scale_2: StrictFloat | None = Field(
-        None, ge=0.0, le=100.0, allow_inf_nan=False,
-        description="Two-expert models only (Wan2.2-T2V-A14B): the true CFG scale of the low-noise expert's steps; "
-        "None uses guidance_scale. CFG runs when guidance_scale > 1.",
-    )
-    negative_prompt: str = Field(" ", max_length=2000, description="Negative prompt for true CFG.")
-    noise_level: StrictFloat = Field(
-        1.2, ge=0.0, le=10.0, allow_inf_nan=False, description="The `a` of Flow-GRPO (CPS: at most 1); 0 samples the ODE."
-    )
-    sde_type: Literal["sde", "cps", "ode"] = Field("sde", description="Stochastic step used inside the window.")
-    sde_window_size: StrictInt | None = Field(
-        2, ge=1, description="Stochastic (trained) steps per trajectory; None makes every step but the last stochastic."
-    )
-    sde_window_range: tuple[StrictInt, StrictInt] = Field(
-        (0, 5), description="Half-open range [lo, hi) the window's first step is drawn from (Flow-GRPO-Fast)."
-    )
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
-    group_noise: Literal["independent", "shared"] = Field(
-        "independent",
-        description="shared: a prompt's samples start from one initial noise, so the deterministic steps before "
-        "the SDE window run once per prompt and the group branches at the window (each sample's own step noise).",
-    )
-
-    @model_validator(mode="after")
-    def _check_window(self) -> SamplingParams:
-        if self.sde_type == "cps" and self.noise_level > 1.0:
-            raise ValueError(f"sde_type 'cps' takes noise_level in [0, 1] (std = sigma_next sin(a pi / 2)); got {self.noise_level}")
-        lo, hi = self.sde_window_range
-        if not 0 <= lo < hi:
-            raise ValueError(f"sde_window_range must satisfy 0 <= lo < hi; got {self.sde_window_range}")
-        if self.sde_window_size is not None:
-            last_start = hi - 1
-            # The last step is always deterministic, so the window must end before it.
-            if last_start + self.sde_window_size > self.num_steps - 1:
-                raise ValueError(
-                    f"SDE window outside the steps: a window of {self.sde_window_size} starting as late as step "
-                    f"{last_start} (sde_window_range={self.sde_window_range}) needs num_steps >= "
-                    f"{last_start + self.sde_window_size + 1}; got num_steps={self.num_steps}"
-                )
-        return self
-
-    def merged(self, overrides: SamplingOverrides) -> SamplingParams:
-        """These settings with the fields ``overrides`` sets; validated once, on the merged values.
-
-        Raises:
-            pydantic.ValidationError: the merged settings are invalid (the message names the values).
-        """
-        return SamplingParams.model_validate({**self.model_dump(), **overrides.model_dump(exclude_unset=True)})
-
-    def for_validation(self, *, num_steps: int | None = None, seed: int | None = None,
-                       guidance_scale: float | None = None) -> SamplingParams:
-        """Evaluation settings: the ODE (noise 0), usually with more steps and a fixed seed; every sample
-        from its own noise (with shared group noise an ODE group would be one image, repeated)."""
-        return self.model_copy(
-            update={
-                "guidance_scale": self.guidance_scale if guidance_scale is None else float(guidance_scale),
-                "noise_level": 0.0,
-                "sde_type": "ode",
-                "sde_window_size": None,
-                "sde_window_range": (0, 1),
-                "group_noise": "independent",
-                "num_steps": num_steps or self.num_steps,
-                "seed": self.seed if seed is None else seed,
-            }
-        )
-
-
-def _optional(annotation: Any, metadata: list[Any]) -> Any:
-    """``annotation | None``, keeping a Strict() marker (pydantic moves it into the field's metadata)."""
-    strict = [m for m in metadata if isinstance(m, Strict)]
-    return Annotated[annotation | None, *strict] if strict else annotation | None
-
-
-# A request's `sampling`: every field of SamplingParams, optional, with its type (strictness
-# included) but no bound of its own. The app's defaults are merged in and the result validated once
-# (SamplingParams.merged), so a check that involves several fields sees the values that will run.
-SamplingOverrides = create_model(
-    "SamplingOverrides",
-    __config__=ConfigDict(extra="forbid", frozen=True),
-    __doc__="Sampling settings a request changes; the app's configured sampling fills the rest.",
-    **{
-        name: (_optional(field.annotation, field.metadata), Field(None, description=field.description))
-        for name, field in SamplingParams.model_fields.items()
-    },
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensors between deployments
 
 
 @dataclass
@@ -646,133 +514,21 @@ class GroupScores:
     failure: str | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# The HTTP / handle request
+# The request and answer types, where callers have imported them from.
+from serve_app.api import (  # noqa: E402  (serve_app.api needs nothing of this module)
+    ErrorResponse,
+    InputImage,
+    PublishedVersion,
+    RolloutRequest,
+    RolloutResponse,
+    SampleOut,
+    VersionInfo,
+    VersionList,
+)
 
-
-def _input_image(value: Any) -> Any:
-    """An input image as sent: kept as it is, decoded and checked by the ingress (which names the field)."""
-    if isinstance(value, (str, torch.Tensor)):
-        return value
-    raise ValueError(f"an input image is a base64 PNG (HTTP) or a uint8 tensor [3, H, W] (handle); got "
-                     f"{type(value).__name__}")
-
-
-# Base64 PNG over HTTP, a uint8 tensor [3, H, W] by handle; the OpenAPI shows the HTTP form.
-InputImage = Annotated[
-    Any,
-    PlainValidator(_input_image),
-    WithJsonSchema({"type": "string", "contentEncoding": "base64", "contentMediaType": "image/png",
-                    "description": "A PNG, base64 (standard alphabet); by handle a uint8 tensor [3, H, W]."}),
+__all__ = [
+    "BASE_HASH", "MAX_FRAMES", "MAX_IMAGE_SIDE", "BatchLayout", "ChunkHeader", "ErrorResponse", "GroupScores",
+    "ImagePrompt", "InputImage", "PromptEmbeds", "PromptTokens", "PublishedVersion", "RolloutChunk", "RolloutRequest",
+    "RolloutResponse", "SampleOut", "SampledChunk", "SamplingOverrides", "SamplingParams", "ScoreJob", "Trajectory",
+    "TrajectoryBatch", "VersionInfo", "VersionList", "split_image_prompts",
 ]
-
-
-class RolloutRequest(BaseModel):
-    """A rollout request as the ingress receives it (HTTP JSON or handle)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompts: list[StrictStr] = Field(..., min_length=1, description="Prompts; each becomes one group.")
-    images: list[list[InputImage]] | None = Field(
-        None,
-        description="Input images of image-conditioned families (qwen_image_edit: exactly one per prompt), one list "
-        "per prompt in prompt order: base64 PNGs over HTTP, uint8 tensors [3, H, W] by handle (where a prompt's "
-        "single image may stand without its list). Every sample of a prompt's group is conditioned on them; "
-        "text-to-image families take none.",
-    )
-    group_size: StrictInt = Field(..., ge=1, description="Samples per prompt.")
-    sampling: SamplingOverrides = Field(
-        default_factory=SamplingOverrides, description="Sampling settings to change; the app's config fills the rest."
-    )
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Overrides sampling.seed when given.")
-    policy_version: StrictInt | None = Field(None, ge=0, description="Pin to a weights version; None = the latest.")
-    return_images: StrictBool = Field(
-        False, description="HTTP only: include each sample's image (JSON: a PNG, base64, or for videos an H.264 MP4; "
-        "binary answer: the uint8 tensor)."
-    )
-    return_trajectory: StrictBool = Field(
-        False, description="HTTP only: answer with each sample's whole trajectory (window latents, schedule, "
-        "conditioning) in the binary format (Accept: application/vnd.flowgrpo.trajectory+safetensors; docs/http.md).",
-    )
-
-    @classmethod
-    def of(cls, prompts: Sequence[str], group_size: int, sampling: SamplingParams | BaseModel | dict | None = None,
-           policy_version: int | None = None, seed: int | None = None, *, images: Sequence[Any] | None = None,
-           **flags: bool) -> RolloutRequest:
-        """A request from a client's arguments. Full SamplingParams travel whole (the trainer replays exactly
-        what it asked for); overrides and dicts carry only the fields they set, and the app's configured
-        sampling fills the rest. `flags`: return_images, return_trajectory."""
-        fields: dict[str, Any] = {"prompts": list(prompts), "group_size": group_size, "policy_version": policy_version,
-                                  "seed": seed, "images": None if images is None else list(images), **flags}
-        if isinstance(sampling, SamplingParams):
-            fields["sampling"] = sampling.model_dump()
-        elif isinstance(sampling, BaseModel):  # SamplingOverrides
-            fields["sampling"] = sampling.model_dump(exclude_unset=True)
-        elif sampling is not None:
-            fields["sampling"] = sampling
-        return cls.model_validate(fields)
-
-    @field_validator("images", mode="before")
-    @classmethod
-    def _lists_per_prompt(cls, images: Any) -> Any:
-        """A prompt's single image may come without its list (by handle: a tensor per prompt)."""
-        if isinstance(images, (list, tuple)):
-            return [list(row) if isinstance(row, (list, tuple)) else [row] for row in images]
-        return images
-
-
-class SampleOut(BaseModel):
-    prompt_index: int
-    sample_index: int
-    seed: int
-    reward: float
-    advantage: float
-    log_probs: list[float]
-    image_png_base64: str | None = None
-    video_mp4_base64: str | None = None
-
-
-class RolloutResponse(BaseModel):
-    """The JSON answer (for people and scripts); a trainer asks for the binary one, which carries the
-    trajectories (serve_app.wire.trajectory)."""
-
-    policy_version: int
-    request_id: str
-    samples: list[SampleOut]
-    metrics: dict[str, float]
-    dropped_groups: dict[int, str] = Field(
-        default_factory=dict, description="Prompt index -> why, for groups a reward failed on (on_error: drop_group)."
-    )
-
-
-class PublishedVersion(BaseModel):
-    """The answer to a weight upload: the version it is stored as and its content hash."""
-
-    policy_version: int = Field(description="The new version; requests pinned to it sample with these weights.")
-    weights_hash: str = Field(description="sha256 of the version's content (serve_app.wire.content_hash).")
-
-
-class VersionInfo(BaseModel):
-    """One stored weight version."""
-
-    policy_version: int
-    weights_hash: str = Field(description="sha256 of the version's content; 'base' for version 0.")
-    kind: Literal["base", "lora", "full"] = Field(description="base: version 0, the checkpoint itself.")
-    tensors: int = Field(description="Tensors the version holds.")
-    bytes: int = Field(description="Bytes of those tensors.")
-    lora: dict[str, Any] | None = Field(None, description="The LoRA spec (rank, alpha, target_modules) of a LoRA version.")
-
-
-class VersionList(BaseModel):
-    """The versions a store keeps, oldest first (version 0, the base checkpoint, always exists)."""
-
-    latest: int = Field(description="The version an unpinned rollout request runs at.")
-    versions: list[VersionInfo]
-
-
-class ErrorResponse(BaseModel):
-    """Every error answer of the HTTP API."""
-
-    error: str = Field(description="The kind: invalid_request, malformed_json, overloaded, PolicyVersionError, ...")
-    field: str = Field(description="The request field at fault (dotted, e.g. sampling.height; 'body'), or ''.")
-    message: str = Field(description="What was wrong and what is accepted.")

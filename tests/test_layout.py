@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # nothing of the trainer; the core knows no world.
 LAYERS: list[tuple[str, ...]] = [
     ("serve_app.errors", "serve_app.schemas", "serve_app.stored", "serve_app.imports", "serve_app.media", "serve_app.retry",
-     "serve_app.local_ray", "serve_app.wire", "serve_app.families"),
+     "serve_app.local_ray", "serve_app.wire", "serve_app.families", "serve_app.api", "serve_app.config.sampling"),
     ("serve_app.flowgrpo",),
     ("serve_app.rewards", "serve_app.models"),
     ("serve_app.config",),

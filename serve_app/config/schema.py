@@ -23,7 +23,7 @@ from serve_app.flowgrpo.advantages import StdMode
 from serve_app.imports import is_import_path
 from serve_app.retry import RetryPolicy, refuse_renamed_keys
 from serve_app.rewards import RewardSpec, declared_input, registered_rewards
-from serve_app.schemas import SamplingParams
+from serve_app.config.sampling import SamplingParams
 
 
 class Section(BaseModel):

@@ -16,7 +16,8 @@ import torch
 from serve_app.flowgrpo.sde import SDEStepResult, draw_noise, sde_step
 from serve_app.flowgrpo.seeding import RequestSeeds, fresh_request_seed, sample_generators
 from serve_app.media import to_uint8
-from serve_app.schemas import BASE_HASH, PromptEmbeds, PromptTokens, SamplingParams, Trajectory
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import BASE_HASH, PromptEmbeds, PromptTokens, Trajectory
 
 
 class SamplingPolicy(Protocol):

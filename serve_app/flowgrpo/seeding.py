@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from serve_app.schemas import SamplingParams
+from serve_app.config.sampling import SamplingParams
 
 
 def derive_sample_seed(request_seed: int, prompt_index: int, sample_index: int) -> int:

@@ -27,7 +27,8 @@ from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
 from serve_app.media import resize_image
 from serve_app.models.tokenizer_cache import pipeline_tokenizers
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 
 
 _SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width)

@@ -27,7 +27,8 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from serve_app.policies.base import PackedLatentPolicy, PolicySettings
 from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
-from serve_app.schemas import MAX_IMAGE_SIDE, PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import MAX_IMAGE_SIDE, SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 
 DEFAULT_DISTILLED_GUIDANCE = 3.5  # the stock `guidance_scale`
 

@@ -29,7 +29,8 @@ from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RES
 from serve_app.media import to_pil
 from serve_app.policies.base import ImageGeometry, per_input_image_shapes, stack_padded, stock_globals
 from serve_app.policies.flux import FluxPolicy
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 
 # The area PREFERRED_KONTEXT_RESOLUTIONS are sized for.
 STOCK_INPUT_IMAGE_AREA = 1024 * 1024

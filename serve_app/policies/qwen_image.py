@@ -12,7 +12,8 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from serve_app.policies.base import PackedLatentPolicy, TextProcessor
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 from serve_app.models.tokenizer_cache import load_tokenizer
 
 # The pipeline's own template: the encoder's hidden states of the first 34 tokens (the system

@@ -28,7 +28,8 @@ from serve_app.media import to_pil
 from serve_app.models.tokenizer_cache import load_tokenizer
 from serve_app.policies.base import PolicySettings, TextProcessor, per_input_image_shapes, stack_padded, stock_globals
 from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 
 # QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
 # The header is the 64 dropped tokens (system prompt and user header), shared with Qwen-Image-Edit-Plus.

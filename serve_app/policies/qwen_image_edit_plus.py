@@ -34,7 +34,8 @@ from serve_app.policies.qwen_image_edit import (
     QwenImageEditPolicy,
     QwenImageEditTextProcessor,
 )
-from serve_app.schemas import PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptTokens
 
 # QwenImageEditPlusPipeline's template is Qwen-Image-Edit's header (the 64 tokens dropped from the hidden
 # states), then a picture per input image and the instruction in the user turn, then Qwen-Image-Edit's tail.

@@ -18,7 +18,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 
 class SD3TextProcessor(ClipT5TextProcessor):
     """Three tokenizations per prompt: CLIP-L, CLIP-G and (when the pipeline has it) T5."""

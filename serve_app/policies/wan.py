@@ -54,7 +54,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, PolicySettings, TextProcessor
-from serve_app.schemas import PromptEmbeds, PromptTokens, SamplingParams
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import PromptEmbeds, PromptTokens
 from serve_app.models.tokenizer_cache import load_tokenizer
 
 TOKENIZER_SLOT = "tokenizer"

@@ -38,7 +38,8 @@ import torch
 
 from serve_app.flowgrpo.sampler import Conditioning
 from serve_app.policies.base import DiffusionPolicy, ImageGeometry
-from serve_app.schemas import RolloutChunk, SamplingParams, Trajectory
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import RolloutChunk, Trajectory
 from serve_app.weights.layout import Layout
 from serve_app.weights.versions import LoraSpec, WeightKind
 from serve_app.flowgrpo.ratios import LogRatioSummary, replay_log_probs, summarize_log_ratios

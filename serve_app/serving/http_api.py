@@ -28,15 +28,8 @@ from serve_app.errors import (
     RequestTooLargeError,
     http_error,
 )
-from serve_app.schemas import (
-    ErrorResponse,
-    PublishedVersion,
-    RolloutRequest,
-    RolloutResponse,
-    TrajectoryBatch,
-    VersionInfo,
-    VersionList,
-)
+from serve_app.api import ErrorResponse, PublishedVersion, RolloutRequest, RolloutResponse, VersionInfo, VersionList
+from serve_app.schemas import TrajectoryBatch
 from serve_app.serving.ingress import to_response
 from serve_app.serving.sglang import SGLANG_MEDIA_TYPE, SglangRolloutRequest, sglang_answer, sglang_request
 from serve_app.wire import TRAJECTORY_MEDIA_TYPE, WEIGHTS_MEDIA_TYPE, encode_batch

@@ -19,14 +19,9 @@ from serve_app.flowgrpo.seeding import RequestSeeds, fresh_request_seed
 from serve_app.policies.base import ImageGeometry, TextProcessor
 from serve_app.media import ImageTooLargeError, decode_image_base64, mp4_base64, png_base64
 from serve_app.rewards import TOTAL_KEY
-from serve_app.schemas import (
-    RolloutChunk,
-    RolloutRequest,
-    RolloutResponse,
-    SampleOut,
-    SamplingParams,
-    TrajectoryBatch,
-)
+from serve_app.api import RolloutRequest, RolloutResponse, SampleOut
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import RolloutChunk, TrajectoryBatch
 from serve_app.weights import VersionStore, missing_version
 
 

@@ -16,7 +16,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from serve_app.errors import InvalidRequestError
-from serve_app.schemas import PromptEmbeds, RolloutRequest, TrajectoryBatch
+from serve_app.api import RolloutRequest
+from serve_app.schemas import PromptEmbeds, TrajectoryBatch
 from serve_app.wire.container import pack
 
 SGLANG_MEDIA_TYPE = "application/msgpack"

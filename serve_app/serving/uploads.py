@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from serve_app.errors import InvalidRequestError, WeightsHashMismatchError
-from serve_app.schemas import PublishedVersion, VersionInfo, VersionList
+from serve_app.api import PublishedVersion, VersionInfo, VersionList
 from serve_app.weights import LoraSpec, VersionStore, WeightKind, content_hash
 from serve_app.weights.layout import Layout, check_against_layout
 from serve_app.wire import WireFormatError, decode_weights

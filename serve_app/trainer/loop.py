@@ -31,7 +31,8 @@ import torch
 
 from serve_app.errors import PolicyVersionError
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.schemas import ImagePrompt, SamplingParams, TrajectoryBatch, split_image_prompts
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import ImagePrompt, TrajectoryBatch, split_image_prompts
 from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
 from serve_app.trainer.config import TrainerRunConfig
 from serve_app.trainer.ema import averaged_weights

@@ -19,7 +19,7 @@ from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from serve_app.errors import PolicyVersionError
-from serve_app.schemas import VersionInfo
+from serve_app.api import VersionInfo
 from serve_app.weights.versions import (
     BASE_HASH,
     BASE_VERSION,

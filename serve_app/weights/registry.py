@@ -16,7 +16,7 @@ import ray
 import torch
 
 from serve_app.errors import PolicyVersionError
-from serve_app.schemas import VersionInfo
+from serve_app.api import VersionInfo
 from serve_app.weights.versions import (
     BASE_HASH,
     BASE_VERSION,

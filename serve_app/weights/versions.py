@@ -21,7 +21,8 @@ import torch
 
 from serve_app.errors import PolicyVersionError, WeightMismatchError
 from serve_app.policies.base import PRIMARY_EXPERT  # unprefixed tensor names are its
-from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory, VersionInfo
+from serve_app.api import VersionInfo
+from serve_app.schemas import BASE_HASH, ChunkHeader, Trajectory
 from serve_app.wire.weights import content_hash  # a version's name; clients compute it too
 
 if TYPE_CHECKING:

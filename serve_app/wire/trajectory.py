@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from serve_app.schemas import ChunkHeader, PromptEmbeds, SamplingParams, Trajectory, TrajectoryBatch
+from serve_app.config.sampling import SamplingParams
+from serve_app.schemas import ChunkHeader, PromptEmbeds, Trajectory, TrajectoryBatch
 from serve_app.wire.container import WireFormatError, pack, unpack
 
 TRAJECTORY_MEDIA_TYPE = "application/vnd.flowgrpo.trajectory+safetensors"

@@ -176,7 +176,7 @@ def ode_sample_batch(policy: Any, tokens: Sequence[PromptTokens], settings: Eval
     """ODE samples (fixed seeds, ``settings.samples_per_prompt`` of every prompt) of tokenized prompts (with
     their input images, for an image-conditioned model): the sampled Trajectory."""
     from serve_app.flowgrpo.sampler import sample_group
-    from serve_app.schemas import SamplingParams
+    from serve_app.config.sampling import SamplingParams
 
     params = SamplingParams(height=size, width=size, num_frames=num_frames, num_steps=settings.num_steps,
                             noise_level=0.0, sde_type="ode", sde_window_size=None,
