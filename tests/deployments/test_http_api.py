@@ -188,8 +188,12 @@ def test_a_publisher_killed_mid_upload_leaves_no_version(app, url, client):
     assert stored_versions(app) == sorted([*before, f"v{version:08d}"])
 
 
-def test_the_token_guards_every_endpoint_but_healthz(url):
+def test_the_token_guards_every_endpoint_but_healthz(app, url):
+    before = stored_versions(app)
     for token in (None, "wrong-token"):
+        refused = httpx.post(f"{url}/v1/weights", content=_upload(lora_tensors(5)), timeout=30,
+                             headers={} if token is None else auth(token))
+        assert refused.status_code == 401 and refused.json()["error"] == "UnauthorizedError"
         headers = {} if token is None else auth(token)
         for method, path in (("post", "/v1/rollouts"), ("post", "/v1/weights"), ("get", "/v1/weights"),
                              ("get", "/v1/weights/0"), ("post", "/rollout/generate"), ("get", "/docs"),
@@ -199,6 +203,7 @@ def test_the_token_guards_every_endpoint_but_healthz(url):
             assert answer.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{url}/healthz", timeout=30).json() == {"status": "ok"}
     assert httpx.get(f"{url}/openapi.json", headers=auth(), timeout=30).status_code == 200
+    assert stored_versions(app) == before  # nothing the refused uploads held was stored
 
 
 def test_without_a_token_publishing_is_off_and_nothing_is_stored(app):
