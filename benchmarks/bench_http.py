@@ -35,7 +35,7 @@ loopback_ray_env()  # before Ray is imported anywhere: it reads RAY_AUTH_MODE at
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dataplane import overrides_for  # noqa: E402  (the data plane's workload, the same requests)
-from bench_weights import payloads  # noqa: E402  (the trainer's versions: shapes LoRA, small transformer)
+from bench_weights import payload  # noqa: E402  (the trainer's versions: shapes LoRA, small transformer)
 
 PROMPTS = ["a red circle", "two blue squares"]
 # The app each weight payload is a version of (the upload is checked against the served model).
@@ -171,9 +171,8 @@ def main() -> None:
         token_args = [f"ingress.api_token_file={token_file}"]
         for size in args.sizes:
             report["rollouts"].append(measure_rollouts(size, url, token_args, token, args.repeats))
-        chosen = payloads()
         for name in args.payloads:
-            report["publish"][name] = measure_publish(name, chosen[name], url, token_args, token, args.repeats)
+            report["publish"][name] = measure_publish(name, payload(name), url, token_args, token, args.repeats)
     print(json.dumps(report, indent=2))
 
 

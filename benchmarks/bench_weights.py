@@ -28,20 +28,22 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def payloads() -> dict[str, tuple[dict, str, object]]:
-    """name -> (tensors, kind, LoRA spec) of the versions a trainer publishes."""
+def payload(name: str) -> tuple[dict, str, object]:
+    """(tensors, kind, LoRA spec) of a version a trainer publishes: `shapes_lora` (the shapes world's adapter) or
+    `small_full_transformer` (the small model's whole transformer)."""
     from serve_app.policies import load_configured_policy
     from serve_app.trainer.config import load_trainer_config
     from serve_app.trainer.lora import TrainableTransformer
 
-    shapes = load_trainer_config("trainer/shapes")
-    lora = TrainableTransformer(load_configured_policy(shapes.model), shapes.trainer.lora)
-    small = load_trainer_config("trainer/flowgrpo", ["model=small_qwen_image", "trainer.lora.enabled=false"])
-    full = TrainableTransformer(load_configured_policy(small.model), small.trainer.lora)
-    return {
-        "shapes_lora": (lora.publishable_state(), "lora", lora.spec),
-        "small_full_transformer": (full.publishable_state(), "full", None),
-    }
+    if name == "shapes_lora":
+        config = load_trainer_config("trainer/shapes")
+    else:
+        config = load_trainer_config("trainer/flowgrpo", ["model=small_qwen_image", "trainer.lora.enabled=false"])
+    model = TrainableTransformer(load_configured_policy(config.model), config.trainer.lora)
+    return model.publishable_state(), model.kind, model.spec
+
+
+PAYLOADS = ("shapes_lora", "small_full_transformer")
 
 
 def measure(make_store, tensors: dict, kind: str, lora, *, repeats: int) -> dict:
@@ -81,7 +83,8 @@ def main() -> None:
     report = {"benchmark": "bench_weights", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "repeats": args.repeats, "payloads": {}}
     with benchmark_cluster(http_port=None), tempfile.TemporaryDirectory(prefix="bench-weights-") as scratch:
-        for name, (tensors, kind, lora) in payloads().items():
+        for name in PAYLOADS:
+            tensors, kind, lora = payload(name)
             folder = Path(scratch) / name
             transports = {
                 "filesystem": lambda folder=folder: WeightStore(folder, keep=2),

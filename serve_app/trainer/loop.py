@@ -161,38 +161,55 @@ class FlowGRPOTrainer:
         return self.metrics.rows
 
     def train_step(self) -> dict[str, float]:
-        """One step; returns its metrics row (an empty one on data-parallel ranks other than 0)."""
-        step, cfg = self.step, self.cfg
-        started = time.perf_counter()
-        delivered, staleness = None, 0
-        if self.parallel.is_leader:
-            # 1. The next rollout, sampled at most max_staleness updates ago.
-            delivered, staleness = self._next_rollout()
-            # 2. The next rollouts run while this update does (none at staleness 0).
-            self.pipeline.prefill(self.version)
-        # 3. Update; the stored log-probs are the behaviour policy's, so at staleness > 0 the first ratio is not 1,
-        # but a replay with the behaviour version's kept weights must give them (the mismatch check).
-        # Each rank replays its shard of whole groups (one process: the whole batch).
-        shard = self.parallel.scatter(None if delivered is None else delivered.batch, check_onpolicy=staleness == 0)
+        """One step; returns its metrics row (an empty one on data-parallel ranks other than 0). Data-parallel
+        ranks (self.parallel; one process is world size 1) take part in each phase: rank 0 collects, publishes
+        and logs; every rank replays its shard."""
+        step, started = self.step, time.perf_counter()
+        # 1. Collect: the next rollout, sampled at most max_staleness updates ago; the next ones are sent now, to
+        # run while this update does (none at staleness 0).
+        delivered, staleness = self._collect()
+        # 2. Replay, loss, optimizer step: this rank's shard of whole groups (one process: the whole batch). The
+        # stored log-probs are the behaviour policy's: at staleness > 0 the first ratio is not 1, but a replay with
+        # the behaviour version's kept weights must give them (the mismatch check).
         train_started = time.perf_counter()
+        stats = self._update(delivered, staleness, step)
+        train_s = time.perf_counter() - train_started
+        # 3. Publish the new weights; rollouts sent from now on are pinned to them.
+        sync_started = time.perf_counter()
+        self._publish_version()
+        weight_sync_s = time.perf_counter() - sync_started
+        self.step += 1
+        # 4. Log (rank 0).
+        return self._log(step, delivered, staleness, stats, train_s=train_s, weight_sync_s=weight_sync_s,
+                         step_s=time.perf_counter() - started)
+
+    def _collect(self) -> tuple[Delivered | None, int]:
+        if not self.parallel.is_leader:
+            return None, 0
+        delivered, staleness = self._next_rollout()
+        self.pipeline.prefill(self.version)
+        return delivered, staleness
+
+    def _update(self, delivered: Delivered | None, staleness: int, step: int) -> UpdateStats:
+        shard = self.parallel.scatter(None if delivered is None else delivered.batch, check_onpolicy=staleness == 0)
         stats = self.update.run(shard.trajectory, shard.advantages, check_onpolicy=shard.check_onpolicy,
                                 seed=self._request_seed(step), step=step)
-        stats = UpdateStats.merged(self.parallel.all_gather(stats))
-        train_s = time.perf_counter() - train_started
-        # 4. Publish the new weights; rollouts sent from now on are pinned to them.
-        sync_started = time.perf_counter()
+        return UpdateStats.merged(self.parallel.all_gather(stats))
+
+    def _publish_version(self) -> None:
         self.version = self.publish()
         self.policy_versions.append(self.version)
-        weight_sync_s = time.perf_counter() - sync_started
         self.model.keep_version(self.version)  # for the mismatch check of the batches it samples
-        # 5. Log (rank 0).
-        self.step += 1
+
+    def _log(self, step: int, delivered: Delivered | None, staleness: int, stats: UpdateStats, *, train_s: float,
+             weight_sync_s: float, step_s: float) -> dict[str, float]:
+        cfg = self.cfg
         if delivered is None:
             self.update.mismatch.end()  # this rank's share is not logged
             return {}
         batch = delivered.batch
         row = metrics_row(step, batch, stats, inner_epochs=cfg.inner_epochs, sample_s=delivered.sampling_seconds,
-                          train_s=train_s, weight_sync_s=weight_sync_s, step_s=time.perf_counter() - started)
+                          train_s=train_s, weight_sync_s=weight_sync_s, step_s=step_s)
         row.update(self.update.mismatch.end())
         row.update(staleness=staleness, dropped_batches=self.dropped_batches,
                    trainer_idle_s=delivered.trainer_idle_seconds, rollout_wait_s=delivered.rollout_wait_seconds)

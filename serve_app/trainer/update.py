@@ -60,6 +60,30 @@ class UpdateStats:
         )
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of one micro-batch, the factor of each window step's loss, and whether an optimizer step follows it."""
+
+    rows: torch.Tensor
+    scale: float
+    steps: bool
+
+
+def accumulation(micro_batches: Sequence[torch.Tensor], grad_accum: int | None, *, window: int,
+                 ranks: int) -> list[MicroBatch]:
+    """The micro-batches of one pass, `grad_accum` to an optimizer step (None: all of them). Every row of an
+    optimizer step weighs the same, 1 / (window x the step's rows on all `ranks`; shards are equal): summed over
+    ranks, the gradients are the one-process gradient of the whole batch (one process: ranks 1)."""
+    accum = grad_accum or len(micro_batches)
+    planned = []
+    for i, rows in enumerate(micro_batches):
+        group_start = (i // accum) * accum
+        group_end = min(group_start + accum, len(micro_batches))
+        step_rows = sum(len(r) for r in micro_batches[group_start:group_end]) * ranks
+        planned.append(MicroBatch(rows, len(rows) / (window * step_rows), i + 1 == group_end))
+    return planned
+
+
 class PolicyUpdate:
     """The trainable weights, their optimizer (and EMA) and the step that changes them.
 
@@ -105,19 +129,13 @@ class PolicyUpdate:
             expert.train()
         for _epoch in range(cfg.inner_epochs):
             micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
-            accum = cfg.grad_accum or len(micro_batches)
             self.optimizer.zero_grad(set_to_none=True)
-            for i, rows in enumerate(micro_batches):
-                group_start = (i // accum) * accum
-                group_end = min(group_start + accum, len(micro_batches))
-                # Every row of an optimizer step weighs the same, 1 / (window x its rows on all ranks; shards are
-                # equal): summed over ranks, the gradients are the one-process gradient of the whole batch.
-                step_rows = sum(len(r) for r in micro_batches[group_start:group_end]) * self.parallel.world_size
+            for micro in accumulation(micro_batches, cfg.grad_accum, window=window, ranks=self.parallel.world_size):
                 first_replay = check_onpolicy and optimizer_steps == 0
                 for k in range(window):
-                    loss = self._micro_loss(trajectory, advantages, k, rows, stats, step, on_policy=first_replay)
-                    (loss * (len(rows) / (window * step_rows))).backward()
-                if i + 1 == group_end:
+                    loss = self._micro_loss(trajectory, advantages, k, micro.rows, stats, step, on_policy=first_replay)
+                    (loss * micro.scale).backward()
+                if micro.steps:
                     if first_replay:
                         self.check_onpolicy(stats, step, trajectory.policy_version)
                     self._optimizer_step(stats, step)

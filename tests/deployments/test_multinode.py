@@ -291,9 +291,11 @@ class _Recorder:
         self.client = client
         self.calls: list[_Call] = []
 
-    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True):
+    def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True,
+                return_images=False):
         lost = self.client.lost_rollouts
-        batch = self.client.rollout(prompts, group_size, sampling, policy_version, seed, timeout_s=timeout_s, fetch=fetch)
+        batch = self.client.rollout(prompts, group_size, sampling, policy_version, seed, timeout_s=timeout_s, fetch=fetch,
+                                    return_images=return_images)
         self.calls.append(_Call(list(prompts), group_size, sampling, policy_version, seed, batch,
                                 self.client.lost_rollouts - lost))
         return batch

@@ -33,7 +33,8 @@ def fixed_source(batch):
     Ray's cloudpickle ships the class by value to the Train worker that uses it."""
 
     class FixedSource:
-        def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True):
+        def rollout(self, prompts, group_size, sampling=None, policy_version=None, seed=None, *, timeout_s=None, fetch=True,
+                    return_images=False):
             assert policy_version == 0 and group_size == batch.group_size, (policy_version, group_size)
             return batch
 
