@@ -62,6 +62,22 @@ def test_versions_travel_through_the_object_store_and_outlive_their_publisher(ra
 
 
 @pytest.mark.cluster
+def test_publishers_at_once_get_distinct_ordered_versions_from_the_registry(ray_cluster):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_app.weights import content_hash
+    from serve_app.weights.registry import RegistryStore
+
+    store = RegistryStore("test/next", model="tiny", keep=None)
+    with ThreadPoolExecutor(6) as pool:
+        published = list(pool.map(lambda s: (s, *store.publish_next(_tensors(s), kind="lora", lora=LORA)), range(6)))
+    assert sorted(v for _, v, _ in published) == [1, 2, 3, 4, 5, 6] == store.versions()
+    for seed, version, digest in published:  # each number holds the content its publisher sent
+        assert digest == content_hash(_tensors(seed), LORA) == store.published_hash(version)
+        assert store.describe(version).tensors == 2
+
+
+@pytest.mark.cluster
 def test_the_app_and_trainer_share_versions_without_a_shared_folder(ray_cluster, tmp_path):
     """On the session's shared cluster (tests/conftest.py: ray_cluster)."""
     import httpx

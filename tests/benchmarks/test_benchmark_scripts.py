@@ -129,7 +129,9 @@ def test_bench_dataplane(flowgrpo_home):
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_bench_http(flowgrpo_home):
-    report = run_script("bench_http.py", "--repeats", "1", "--sizes", "64", "--payloads", "shapes_lora")
+    # The rollouts at their smallest size; the publishing half deploys two more models (about 40 s), so it runs
+    # in the full measurement only.
+    report = run_script("bench_http.py", "--repeats", "1", "--sizes", "64", "--payloads")
     assert_finite(report)
     (size,) = report["rollouts"]
     assert size["throughput_ratio_http_over_handle"]["median"] > 0
@@ -137,8 +139,7 @@ def test_bench_http(flowgrpo_home):
     assert size["binary_answer_bytes"] == size["tensor_bytes_per_sample"] * size["samples_per_request"] + \
         size["binary_header_bytes"]
     assert 0 < size["json_answer_bytes"] < size["binary_answer_bytes"]
-    lora = report["publish"]["shapes_lora"]
-    assert lora["tensors"] > 0 and lora["http_seconds"]["median"] > 0 and lora["object_store_seconds"]["median"] > 0
+    assert report["publish"] == {}
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """What only a real Ray cluster shows: actors, HTTP, @serve.batch, autoscaling, back-pressure, and the HTTP API
-through Serve's proxy (the binary answer bitwise what a handle caller gets, versions published over HTTP into the
-object store, the token read from the file the config names, clients that disconnect leaving no objects).
+through Serve's proxy (the binary answer bitwise what a handle caller gets, clients that disconnect leaving no
+objects).
 
 The session's single-node cluster on 127.0.0.1 (tests/conftest.py: ray_cluster), the app deployed for
 this module and deleted at its end. Requests are bounded in number and time.
@@ -11,7 +11,6 @@ import io
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -54,14 +53,7 @@ TIGHT = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.auto
     "replica.autoscaling.min_replicas=1",
     "replica.autoscaling.max_replicas=1",
 ]
-# The HTTP API's app: 128 px, so a chunk's transitions (48 kB a sample) live in the object store, not inline with
-# their reference; versions in the object store; a bearer token from a file (the module fixture adds it).
-HTTP_APP, TOKEN = "flowgrpo-http", "cluster-http-test-token"
-HTTP = [f"app_name={HTTP_APP}", "sampling.height=128", "sampling.width=128", "sampling.num_steps=12",
-        "sampling.sde_window_range=[0,4]", "ingress.chunk_size=4", "replica.num_cpus=0.2",
-        "replica.autoscaling.max_replicas=1", "weights.transport=object_store"]
-APPS = {"flowgrpo": ("/", OVERRIDES), "flowgrpo-video": ("/video", VIDEO), "flowgrpo-tight": ("/tight", TIGHT),
-        HTTP_APP: ("/http", HTTP)}
+APPS = {"flowgrpo": ("/", OVERRIDES), "flowgrpo-video": ("/video", VIDEO), "flowgrpo-tight": ("/tight", TIGHT)}
 
 
 @pytest.fixture(scope="module")
@@ -81,26 +73,13 @@ def cluster(ray_cluster, weights):
 
     from serve_app.app import AppArgs, build_app
 
-    token_file = weights_dir_of(weights).parent / "api_token"
-    token_file.write_text(f"{TOKEN}\n")
-    apps = {**APPS, "flowgrpo": ("/", OVERRIDES + weights),
-            HTTP_APP: ("/http", HTTP + [f"ingress.api_token_file={token_file}"])}
+    apps = {**APPS, "flowgrpo": ("/", OVERRIDES + weights)}
     serve.run_many([serve.RunTarget(build_app(AppArgs(overrides=overrides)), name=name, route_prefix=prefix)
                     for name, (prefix, overrides) in apps.items()])
     yield ray_cluster.url
     for name in APPS:
         if name in serve.status().applications:
             serve.delete(name)
-
-
-def weights_dir_of(weights: list[str]) -> Path:
-    return Path(weights[0].split("=", 1)[1])
-
-
-@pytest.fixture(scope="module")
-def url(cluster):
-    """The HTTP API's app (HTTP_APP) on Serve's proxy."""
-    return f"{cluster}/http"
 
 
 def test_whole_graph_by_handle(cluster):
@@ -305,28 +284,18 @@ def test_backpressure_gives_503_with_a_message(cluster):
 
 # --- the HTTP API through Serve's proxy --------------------------------------------------------
 
+# 128 px: a chunk's transitions (48 kB a sample) live in the object store, not inline with their reference.
+LARGE = {"height": 128, "width": 128}
 
-def test_the_binary_answer_through_serves_proxy_is_what_the_handle_gives(url):
+
+def test_the_binary_answer_through_serves_proxy_is_what_the_handle_gives(cluster):
     from serve_app.client import RolloutClient
 
-    by_handle = RolloutClient(HTTP_APP).rollout(["a cat", "a dog"], 4, seed=5, return_images=True)
-    over_http = HttpRolloutClient(url, TOKEN).rollout(["a cat", "a dog"], 4, seed=5, return_images=True)
+    by_handle = RolloutClient("flowgrpo").rollout(["a cat", "a dog"], 4, LARGE, seed=5, return_images=True)
+    over_http = HttpRolloutClient(cluster).rollout(["a cat", "a dog"], 4, LARGE, seed=5, return_images=True)
     assert_same_batch(over_http, by_handle)
     assert torch.equal(over_http.images, by_handle.images)
     assert over_http.transitions.latents.shape[1:] == (3, 256, 16)
-
-
-def test_a_version_published_over_http_goes_to_the_object_store_and_is_served(url):
-    client = HttpRolloutClient(url, TOKEN)
-    g = torch.Generator().manual_seed(3)
-    lora = {"proj_out.lora_A.weight": torch.randn(2, 32, generator=g) * 0.3,
-            "proj_out.lora_B.weight": torch.randn(16, 2, generator=g) * 0.3}
-    version, weights_hash = client.publish(lora, kind="lora", lora={"rank": 2, "alpha": 2.0, "target_modules": ["proj_out"]})
-    batch = client.rollout(["a cat"], 2, seed=1, policy_version=version)
-    assert (batch.policy_version, batch.header.weights_hash) == (version, weights_hash)
-    assert client.versions().latest == version
-    assert httpx.get(f"{url}/v1/weights", timeout=30).status_code == 401  # the token file's token guards it
-    assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
 
 
 def _objects() -> int:
@@ -346,23 +315,21 @@ def _back_to(before: int) -> int:
     return now
 
 
-BODY = {"prompts": ["a cat", "a dog", "a bird"], "group_size": 8, "seed": 2, "return_trajectory": True,
-        "return_images": True}
-HEADERS = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/vnd.flowgrpo.trajectory+safetensors"}
-
-
-def test_a_client_that_disconnects_leaves_no_objects(url):
-    client = HttpRolloutClient(url, TOKEN)
-    client.rollout(["warm"], 4, seed=0)  # the replica has run once: its state is built
+def test_a_client_that_disconnects_leaves_no_objects(cluster):
+    body = {"prompts": ["a cat", "a dog", "a bird"], "group_size": 8, "seed": 2, "sampling": LARGE,
+            "return_trajectory": True, "return_images": True}
+    headers = {"Accept": "application/vnd.flowgrpo.trajectory+safetensors"}
+    client = HttpRolloutClient(cluster)
+    client.rollout(["warm"], 4, LARGE, seed=0)  # the replicas have run once: their state is built
     before = _objects()
     # Gone while the replicas sample: the request is cancelled, its chunks' objects freed.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/rollouts", json=BODY, headers=HEADERS, timeout=httpx.Timeout(60, read=0.5))
+        httpx.post(f"{cluster}/v1/rollouts", json=body, headers=headers, timeout=httpx.Timeout(60, read=0.5))
     assert _back_to(before) <= before
-    # Gone after the first bytes of the answer (a 2 MB body): nothing is kept for it either.
-    with httpx.stream("POST", f"{url}/v1/rollouts", json=BODY, headers=HEADERS, timeout=120) as answer:
+    # Gone after the first bytes of the answer (a 1.3 MB body): nothing is kept for it either.
+    with httpx.stream("POST", f"{cluster}/v1/rollouts", json=body, headers=headers, timeout=120) as answer:
         assert answer.status_code == 200
         next(answer.iter_raw(1024))
     assert _back_to(before) <= before
     # The service serves the next request as before.
-    assert client.rollout(["a cat"], 2, seed=3).transitions.latents.shape[0] == 2
+    assert client.rollout(["a cat"], 2, LARGE, seed=3).transitions.latents.shape[0] == 2

@@ -373,3 +373,24 @@ def test_schemathesis_finds_no_5xx_on_the_new_endpoints(url):
 
         call()
     assert set(seen) == {"POST /v1/weights", "GET /v1/weights", "GET /v1/weights/{version}", "POST /rollout/generate"}
+
+
+def test_the_token_comes_from_the_file_or_the_variable_the_config_names(tmp_path, monkeypatch):
+    from serve_app.config import IngressConfig
+    from serve_app.serving.http_api import api_token
+
+    assert api_token(IngressConfig()) is None
+    (tmp_path / "token").write_text("  s3cret\n")
+    assert api_token(IngressConfig(api_token_file=str(tmp_path / "token"))) == "s3cret"
+    monkeypatch.setenv("MY_API_TOKEN", "from-env")
+    assert api_token(IngressConfig(api_token_env="MY_API_TOKEN")) == "from-env"
+    # A deploy that names a token must not come up open.
+    with pytest.raises(ValueError, match="does not exist"):
+        api_token(IngressConfig(api_token_file=str(tmp_path / "missing")))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        api_token(IngressConfig(api_token_file=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="holds no token"):
+        api_token(IngressConfig(api_token_env="NOT_SET_ANYWHERE"))
+    with pytest.raises(ValueError, match="not both"):
+        IngressConfig(api_token_file=str(tmp_path / "token"), api_token_env="MY_API_TOKEN")
