@@ -236,24 +236,38 @@ class CompositeReward:
 
     def score(self, images: torch.Tensor, prompts: Sequence[str],
               input_images: Sequence[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
-        """Score one whole group in this process with every component (no retries); returns the
-        values per key and ``"total"``. ``input_images``: the prompt's, for the components that see them.
+        """Score samples in this process through the served path (:meth:`score_part`, each component with its
+        retries and timeout): each prompt's samples as one whole group, the per-sample components then the
+        groupwise ones. Returns the values per key and ``"total"``. ``input_images``: the prompt's, for the
+        components that see them. For callers without an event loop (scripts, evaluations).
 
         Raises:
             ValueError: malformed ``images``/``prompts``, or a component placed on a deployment.
-            RewardError: a component raised, or returned a non-[B] or non-finite result.
+            RewardError: a component failed after its retries (here a group that fails is an error, whatever its
+                ``on_error``: there is no batch to drop it from).
         """
         check_sample_batch(images, prompts)
-        prompt = prompts[0] if len(prompts) else None
-        out: dict[str, torch.Tensor] = {}
-        for key, spec in zip(self.keys, self.specs):
+        for spec in self.specs:
             if spec.placement != "in_process":
                 raise ValueError(f"reward {spec.name!r} runs on a deployment; score it with score_part")
-            try:
-                raw = self._bound(key, images, input_images)(images, prompts)
-            except Exception as e:
-                raise RewardError(spec.name, prompt, f"{type(e).__name__}: {e}") from e
-            out[key] = checked_values(spec.name, prompt, raw, images.shape[0])
+        groups: dict[str, list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            groups.setdefault(prompt, []).append(row)
+
+        async def each_group() -> dict[str, torch.Tensor]:
+            out = {key: torch.zeros(len(prompts), dtype=torch.float32) for key in self.keys}
+            for prompt, rows in groups.items():
+                index = torch.tensor(rows)
+                for whole_group in (False, True):
+                    values, failure = await self.score_part(images[index], prompt, whole_group=whole_group,
+                                                            input_images=input_images)
+                    if failure is not None:
+                        raise failure
+                    for key, value in values.items():
+                        out[key][index] = value.to(torch.float32)
+            return out
+
+        out = asyncio.run(each_group())
         out[TOTAL_KEY] = self.total(out)
         return out
 
