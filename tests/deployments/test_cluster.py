@@ -8,7 +8,6 @@ this module and deleted at its end. Requests are bounded in number and time.
 
 import base64
 import io
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +17,7 @@ import torch
 
 from serve_app.http_client import HttpRolloutClient
 from tests.http_server import assert_same_batch
+from tests.object_store import back_to, objects
 
 pytestmark = pytest.mark.cluster
 
@@ -226,9 +226,14 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
     assert peak == 2
     # Keep asking after the scale-up, so requests reach the new replica too; these batches' tensors stay
     # where the replicas made them (fetch=False) until after the scale-down.
+    # On a loaded machine the new replica may take its first requests a few rounds later: rounds of 8 go out
+    # until both replicas sampled some (bounded in time).
+    unfetched, sampled_by, deadline = [], set(), time.monotonic() + 60
     with ThreadPoolExecutor(4) as pool:
-        unfetched = list(pool.map(lambda _: client.rollout(["a pinned cat"], 4, sampling, 1, 5, fetch=False), range(8)))
-    sampled_by = {chunk.header.sampled_by for batch in unfetched for chunk in batch.chunks}
+        while len(sampled_by) < 2 and time.monotonic() < deadline:
+            more = list(pool.map(lambda _: client.rollout(["a pinned cat"], 4, sampling, 1, 5, fetch=False), range(8)))
+            unfetched += more
+            sampled_by |= {chunk.header.sampled_by for batch in more for chunk in batch.chunks}
     assert len(sampled_by) == 2, sampled_by  # both replicas sampled some of them
     for t in pinned:
         assert t.policy_version == 1
@@ -298,38 +303,21 @@ def test_the_binary_answer_through_serves_proxy_is_what_the_handle_gives(cluster
     assert over_http.transitions.latents.shape[1:] == (3, 256, 16)
 
 
-def _objects() -> int:
-    """Objects in this cluster's object store (named by address: another test's cluster may run beside it)."""
-    import ray
-    from ray._private.internal_api import memory_summary
-
-    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
-    return int(re.search(r"(\d+) objects", summary).group(1))
-
-
-def _back_to(before: int) -> int:
-    """The object count once it is back to `before` (or after a minute, whatever it is then)."""
-    deadline = time.monotonic() + 60
-    while (now := _objects()) > before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return now
-
-
 def test_a_client_that_disconnects_leaves_no_objects(cluster):
     body = {"prompts": ["a cat", "a dog", "a bird"], "group_size": 8, "seed": 2, "sampling": LARGE,
             "return_trajectory": True, "return_images": True}
     headers = {"Accept": "application/vnd.flowgrpo.trajectory+safetensors"}
     client = HttpRolloutClient(cluster)
     client.rollout(["warm"], 4, LARGE, seed=0)  # the replicas have run once: their state is built
-    before = _objects()
+    before = objects()
     # Gone while the replicas sample: the request is cancelled, its chunks' objects freed.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster}/v1/rollouts", json=body, headers=headers, timeout=httpx.Timeout(60, read=0.5))
-    assert _back_to(before) <= before
+    assert back_to(before) <= before
     # Gone after the first bytes of the answer (a 1.3 MB body): nothing is kept for it either.
     with httpx.stream("POST", f"{cluster}/v1/rollouts", json=body, headers=headers, timeout=120) as answer:
         assert answer.status_code == 200
         next(answer.iter_raw(1024))
-    assert _back_to(before) <= before
+    assert back_to(before) <= before
     # The service serves the next request as before.
     assert client.rollout(["a cat"], 2, LARGE, seed=3).transitions.latents.shape[0] == 2
