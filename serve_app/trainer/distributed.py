@@ -80,6 +80,6 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         # Ray Train keeps metrics only with a checkpoint: rank 0 attaches the run's final one (train() just
         # wrote it; Ray copies it under <out>/ray_train), which also makes it the Result's checkpoint.
         report = {"policy_version": trainer.version, "steps": trainer.step, "summary": trainer.summary()}
-        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(trainer.out / "checkpoint")))
+        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str((trainer.out / "checkpoint").resolve())))
     else:
         ray.train.report({"policy_version": trainer.version, "steps": trainer.step})

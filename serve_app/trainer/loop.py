@@ -18,6 +18,11 @@ One training step, top to bottom:
 
 On N data-parallel ranks (serve_app.trainer.parallel) the same code runs on each: rank 0 does 1, 2, 4
 and 5 and sends every rank its shard of whole groups for 3; one process is world size 1.
+
+A run resumed from its checkpoint (serve_app.trainer.checkpoint) is the run it would have been: the
+checkpoint holds the rollouts in flight and the versions they were pinned to, and a rollout's prompts and
+seed follow from its index, so the resumed run sends the same pinned, seeded requests and replays them
+with the same weights.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from serve_app.errors import PolicyVersionError
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import ImagePrompt, TrajectoryBatch, split_image_prompts
-from serve_app.trainer.checkpoint import load_checkpoint, save_checkpoint
+from serve_app.trainer.checkpoint import (CheckpointState, generator_states, load_checkpoint, restore_generators,
+                                          save_checkpoint)
 from serve_app.trainer.config import TrainerRunConfig
 from serve_app.trainer.ema import averaged_weights
 from serve_app.trainer.evaluation import RunEvaluator
+from serve_app.trainer.faults import check_crash_env, crash_point
 from serve_app.trainer.outputs import MetricsLog, metrics_row, plot_reward_curve, run_summary, save_image_grid
 from serve_app.trainer.parallel import DataParallel
 from serve_app.trainer.pipeline import Delivered, RolloutPipeline
@@ -93,6 +100,7 @@ class FlowGRPOTrainer:
                  policy: DiffusionPolicy | None = None, resume: str | Path | None = None,
                  replica_handle: Any | None = None, progress: bool = True,
                  parallel: DataParallel | None = None, publisher: WeightPublisher | None = None) -> None:
+        check_crash_env()
         self.config = config
         self.cfg = config.trainer
         self.client = client
@@ -119,15 +127,17 @@ class FlowGRPOTrainer:
         self.prompts = self.cfg.training_prompts()
         if self.cfg.shuffle_prompts:
             random.Random(self.cfg.seed).shuffle(self.prompts)
-        if resume is not None:
-            self._resume(Path(resume))
         # The versions updates published, in order (EMA versions are evaluated, never trained from):
         # a batch's staleness is the number of updates since its version.
         self.policy_versions = [self.version]
-        self.model.keep_version(self.version)  # the weights a batch of that version is checked against
         self.dropped_batches = 0
+        self._unrecorded: int | None = None  # after a resume: the version a killed run may have published unrecorded
+        in_flight: tuple[tuple[int, int], ...] = ()
+        if resume is not None:
+            in_flight = self._resume(Path(resume))
+        self.model.keep_version(self.version)  # the weights a batch of that version is checked against
         self.pipeline = RolloutPipeline(self._request_rollout, max_staleness=self.cfg.max_staleness,
-                                        first_index=self.step)
+                                        first_index=self.step, resent=in_flight)
         self.telemetry = TrainerTelemetry.if_on_a_cluster() if leader else None
         self.evaluator = (RunEvaluator(config, client, self.out, append=resume is not None)
                           if self.cfg.eval_every and leader else None)
@@ -167,7 +177,7 @@ class FlowGRPOTrainer:
         step, started = self.step, time.perf_counter()
         # 1. Collect: the next rollout, sampled at most max_staleness updates ago; the next ones are sent now, to
         # run while this update does (none at staleness 0).
-        delivered, staleness = self._collect()
+        delivered, staleness = self._collect(step)
         # 2. Replay, loss, optimizer step: this rank's shard of whole groups (one process: the whole batch). The
         # stored log-probs are the behaviour policy's: at staleness > 0 the first ratio is not 1, but a replay with
         # the behaviour version's kept weights must give them (the mismatch check).
@@ -176,16 +186,18 @@ class FlowGRPOTrainer:
         train_s = time.perf_counter() - train_started
         # 3. Publish the new weights; rollouts sent from now on are pinned to them.
         sync_started = time.perf_counter()
-        self._publish_version()
+        self._publish_version(step)
         weight_sync_s = time.perf_counter() - sync_started
         self.step += 1
         # 4. Log (rank 0).
         return self._log(step, delivered, staleness, stats, train_s=train_s, weight_sync_s=weight_sync_s,
                          step_s=time.perf_counter() - started)
 
-    def _collect(self) -> tuple[Delivered | None, int]:
+    def _collect(self, step: int) -> tuple[Delivered | None, int]:
         if not self.parallel.is_leader:
             return None, 0
+        self.pipeline.start(self.version)
+        crash_point("rollout", step)
         delivered, staleness = self._next_rollout()
         self.pipeline.prefill(self.version)
         return delivered, staleness
@@ -196,10 +208,11 @@ class FlowGRPOTrainer:
                                 seed=self._request_seed(step), step=step)
         return UpdateStats.merged(self.parallel.all_gather(stats))
 
-    def _publish_version(self) -> None:
+    def _publish_version(self, step: int) -> None:
         self.version = self.publish()
         self.policy_versions.append(self.version)
         self.model.keep_version(self.version)  # for the mismatch check of the batches it samples
+        crash_point("publish", step)
 
     def _log(self, step: int, delivered: Delivered | None, staleness: int, stats: UpdateStats, *, train_s: float,
              weight_sync_s: float, step_s: float) -> dict[str, float]:
@@ -267,7 +280,22 @@ class FlowGRPOTrainer:
         replica that cached a version number always holds those exact weights. Every data-parallel rank
         calls it (fsdp gathers each tensor's shards); rank 0 publishes and tells the others the number."""
         state = self.parallel.full_tensors(self.model.publishable_state())
-        return self.parallel.broadcast(self._publish_state(state) if self.parallel.is_leader else None)
+        if not self.parallel.is_leader:
+            return self.parallel.broadcast(None)
+        return self.parallel.broadcast(self._published_unrecorded(state) or self._publish_state(state))
+
+    def _published_unrecorded(self, state: dict[str, torch.Tensor]) -> int | None:
+        """On the first publish after a resume: the version after the checkpoint's, if it holds exactly `state`.
+        A run killed after publishing and before checkpointing left it; the same weights are not stored twice,
+        and other weights never take its number (they are published under the next one)."""
+        version, self._unrecorded = self._unrecorded, None
+        if version is None:
+            return None
+        try:
+            published = self.store.published_hash(version)
+        except PolicyVersionError:  # not published
+            return None
+        return version if published == content_hash(state, self.model.spec) else None
 
     def _publish_state(self, state: dict[str, torch.Tensor]) -> int:
         version, _ = self.store.publish_next(state, kind=self.model.kind, lora=self.model.spec)
@@ -279,22 +307,41 @@ class FlowGRPOTrainer:
         """Every rank calls it (fsdp gathers whole tensors, so any run can resume it); rank 0 writes."""
         trainable = self.parallel.full_tensors(self.model.trainable_state())
         optimizer = self.parallel.full_optimizer_state(self.update.optimizer)
+        kept = {}
+        for version in self.model.kept_versions:  # the versions rollouts in flight may come from
+            if version != self.version:
+                with self.model.at_version(version):
+                    kept[version] = self.parallel.full_tensors(self.model.trainable_state())
         if not self.parallel.is_leader:
             return None
         ema = self.update.ema
-        return save_checkpoint(
-            self.out / "checkpoint", step=self.step, policy_version=self.version,
-            trainable=trainable, optimizer=optimizer, ema=None if ema is None else ema.state_dict(),
-            extra={"app_name": self.config.app_name, "kind": self.model.kind},
+        in_flight = self.pipeline.in_flight()
+        oldest = min([version for _, version in in_flight], default=self.version)
+        state = CheckpointState(
+            step=self.step, policy_version=self.version, trainable=trainable, optimizer=optimizer,
+            ema=None if ema is None else ema.state_dict(), kept=kept, in_flight=tuple(in_flight),
+            policy_versions=tuple(self.policy_versions[self.policy_versions.index(oldest):]),
+            dropped_batches=self.dropped_batches, rng=generator_states(),
         )
+        return save_checkpoint(self.out / "checkpoint", state,
+                               extra={"app_name": self.config.app_name, "kind": self.model.kind})
 
-    def _resume(self, directory: Path) -> None:
+    def _resume(self, directory: Path) -> tuple[tuple[int, int], ...]:
+        """Loads the checkpoint; returns the rollouts it recorded in flight, to be sent again as they were."""
         state = load_checkpoint(directory)
+        for version, tensors in state.kept.items():  # oldest first, as they were kept
+            self.model.load_trainable_state(tensors)
+            self.model.keep_version(version)
         self.model.load_trainable_state(state.trainable)
         self.update.optimizer.load_state_dict(state.optimizer)
         if self.update.ema is not None and state.ema is not None:
             self.update.ema.load_state_dict(state.ema)
         self.step, self.version = state.step, state.policy_version
+        self.policy_versions = list(state.policy_versions) or [self.version]
+        self.dropped_batches = state.dropped_batches
+        self._unrecorded = self.version + 1
+        if state.rng is not None:
+            restore_generators(state.rng)
         if self.version > 0:
             # The replicas serve what was published under this version; it must be ours (by content hash).
             published = self.store.published_hash(self.version)
@@ -303,6 +350,7 @@ class FlowGRPOTrainer:
                     f"checkpoint {directory} is at policy version {self.version}, but the app holds other weights "
                     f"under that version (published as {published[:12]})"
                 )
+        return state.in_flight
 
     # -- evaluation and outputs ---------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import Trajectory
 from serve_app.trainer.config import TrainerSection
 from serve_app.trainer.ema import EMAModel
+from serve_app.trainer.faults import crash_point
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
 from serve_app.trainer.mismatch import MismatchMonitor
@@ -140,6 +141,8 @@ class PolicyUpdate:
                         self.check_onpolicy(stats, step, trajectory.policy_version)
                     self._optimizer_step(stats, step)
                     optimizer_steps += 1
+                    if optimizer_steps == 1:
+                        crash_point("update", step)
         for expert in self.model.experts.values():
             expert.eval()
         return stats

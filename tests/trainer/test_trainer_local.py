@@ -13,6 +13,7 @@ from serve_app.trainer import update as update_module
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.statistics import welch_t
 from serve_app.trainer.loop import FlowGRPOTrainer, TrainingDivergedError, load_trainer_policy
+from serve_app.weights import content_hash
 
 # Whole training steps through the app: seconds each on 2 cores.
 pytestmark = pytest.mark.slow
@@ -108,18 +109,65 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(local_app, tmp_
     assert trainer.store.versions() == [1]  # nothing published for the diverged step
 
 
-def test_resume_continues_from_the_checkpoint(local_app, tmp_path):
-    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", "trainer.checkpoint_every=1")
-    trainer.train(2)
-    state = trainer.model.trainable_state()
-    resumed = FlowGRPOTrainer(trainer.config, trainer.client, tmp_path / "out", policy=load_trainer_policy(trainer.config),
-                              resume=tmp_path / "out" / "checkpoint", progress=False)
-    assert resumed.step == 2 and resumed.version == trainer.version == 2
-    for k, v in resumed.model.trainable_state().items():
-        assert torch.equal(v, state[k])
-    row = resumed.train_step()
-    assert row["step"] == 2 and row["policy_version"] == 2 and row["onpolicy_ratio_dev"] < 1e-6
-    assert [int(r["step"]) for r in resumed.metrics.rows] == [0, 1, 2]
+def resumed_trainer(local_app, trainer, *extra):
+    """A new trainer (its own policy) resumed from `trainer`'s checkpoint, configured with `extra`."""
+    client, overrides = local_app
+    config = load_trainer_config("trainer/flowgrpo", [*overrides, *TRAINER, *extra])
+    return FlowGRPOTrainer(config, client, trainer.out, policy=load_trainer_policy(config),
+                           resume=trainer.out / "checkpoint", progress=False)
+
+
+COMPARED = ("reward_mean", "loss", "ratio_max", "ratio_min", "staleness", "approx_kl")
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_a_resumed_run_is_the_run_it_would_have_been(local_app, tmp_path, staleness):
+    """4 steps straight vs 2 steps, a new trainer resumed from the checkpoint, then 2 more: the same weights,
+    bitwise, and the same metric rows. At staleness k the checkpoint holds k rollouts in flight, pinned to the
+    versions the straight run pinned them to (rollout i to the version after i - k updates), and the resumed run
+    sends them again as they were."""
+    extra = ("trainer.lr=1e-2", "trainer.checkpoint_every=1", f"trainer.max_staleness={staleness}")
+    straight = make_trainer(local_app, tmp_path / "straight", *extra)
+    straight.train(4)
+    first = make_trainer(local_app, tmp_path / "split", *extra)
+    first.train(2)
+    resumed = resumed_trainer(local_app, first, *extra)
+    assert resumed.step == 2 and resumed.version == first.version
+    assert resumed.pipeline.in_flight() == [(i, first.policy_versions[max(0, i - staleness)])
+                                            for i in range(2, 2 + staleness)]
+    resumed.train(4)
+    theirs = straight.model.trainable_state()
+    mine = resumed.model.trainable_state()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert any(v.abs().max() > 0 for k, v in mine.items() if "lora_B" in k)  # it trained
+    rows = [list(csv.DictReader((run.out / "metrics.csv").open())) for run in (straight, resumed)]
+    assert [float(r["step"]) for r in rows[1]] == [0, 1, 2, 3]
+    assert [[float(r[c]) for c in COMPARED] for r in rows[0]] == [[float(r[c]) for c in COMPARED] for r in rows[1]]
+
+
+def test_a_version_published_and_not_checkpointed_is_reused_and_other_weights_never_take_its_number(local_app, tmp_path):
+    """A run killed between publishing step 2's version and checkpointing it: resumed, its step 2 gives the same
+    weights, which keep their number (stored once). A resumed run whose update differs (two inner epochs) publishes
+    under the next number: one number, one content."""
+    extra = ("trainer.lr=1e-2", "trainer.max_staleness=1")
+    run = make_trainer(local_app, tmp_path, *extra)
+    run.train_step(), run.train_step()
+    run.save_checkpoint()
+    run.train_step()  # version 3, recorded by no checkpoint
+    run.pipeline.close()
+    store, unrecorded = run.store, run.version
+    assert store.versions() == [1, 2, 3]
+    same = resumed_trainer(local_app, run, *extra)
+    same.train_step()
+    assert same.version == unrecorded and store.versions() == [1, 2, 3]
+    assert content_hash(same.model.publishable_state(), same.model.spec) == store.published_hash(3)
+    same.pipeline.close()
+    other = resumed_trainer(local_app, run, *extra, "trainer.inner_epochs=2")
+    other.train_step()
+    assert other.version == 4 and store.versions() == [1, 2, 3, 4]
+    assert store.published_hash(4) != store.published_hash(3)
+    assert content_hash(other.model.publishable_state(), other.model.spec) == store.published_hash(4)
+    other.pipeline.close()
 
 
 def test_reward_rises_with_the_demo_settings(local_app, tmp_path):
