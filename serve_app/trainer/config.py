@@ -95,6 +95,11 @@ class DistributedSection(Section):
     )
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend; False: CPU and gloo.")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per worker (fractions allowed).")
+    max_failures: int = Field(
+        2, ge=0, description="Times Ray Train restarts the worker group after a worker dies; a restarted group resumes "
+        "from the last checkpoint (trainer.checkpoint_every), into the run it would have been; ddp only (fsdp runs are "
+        "not restarted).",
+    )
 
 
 class TrainerSection(Section):

@@ -6,11 +6,13 @@ rank's DataParallel (serve_app.trainer.parallel says what one step does on N ran
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from serve_app.trainer.connect import check_worker_placement
+from serve_app.trainer.faults import CRASH_ENV
 from serve_app.trainer.parallel import DataParallel
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ def run_data_parallel(config: TrainerRunConfig, out_dir: str | Path, *, resume: 
             found by rank 0 inside the cluster.
     """
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     section = config.trainer.distributed
@@ -47,11 +49,15 @@ def run_data_parallel(config: TrainerRunConfig, out_dir: str | Path, *, resume: 
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config={"config": config, "out": str(out), "resume": None if resume is None else str(Path(resume).absolute()),
-                           "source": source, "progress": progress},
+                           "source": source, "progress": progress, "started_at": time.time(),
+                           # A rehearsed pre-emption (serve_app.trainer.faults), on one rank with FLOWGRPO_CRASH_RANK.
+                           "crash_at": os.environ.get(CRASH_ENV), "crash_rank": os.environ.get("FLOWGRPO_CRASH_RANK")},
         torch_config=TorchConfig(backend="nccl" if section.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=section.workers, use_gpu=section.use_gpu, resources_per_worker=resources),
         # A fresh run name each launch: Ray Train restores a run whose name it finds in the storage path.
-        run_config=RunConfig(name=f"flowgrpo-{time.strftime('%Y%m%d-%H%M%S')}", storage_path=str(out / "ray_train")),
+        run_config=RunConfig(name=f"flowgrpo-{time.strftime('%Y%m%d-%H%M%S')}", storage_path=str(out / "ray_train"),
+                             # fsdp runs cannot resume (above), so they are not restarted either.
+                             failure_config=FailureConfig(max_failures=section.max_failures if section.strategy == "ddp" else 0)),
     )
     result = trainer.fit()
     return dict(result.metrics or {})
@@ -66,20 +72,34 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
 
     config: TrainerRunConfig = loop_config["config"]
     parallel = DataParallel(config.trainer.distributed.strategy)
+    resume = loop_config["resume"]
+    # A worker died and Ray Train restarted the group (trainer.distributed.max_failures): the checkpoint rank 0
+    # wrote during this run (after it started) is where the group continues from.
+    latest = Path(loop_config["out"]) / "checkpoint" / "state.json"
+    restarted = latest.is_file() and latest.stat().st_mtime > loop_config["started_at"]
+    if restarted:
+        resume = str(latest.parent.resolve())
+    crash_rank = loop_config["crash_rank"]
+    if not restarted and loop_config["crash_at"] and (crash_rank is None or int(crash_rank) == parallel.rank):
+        os.environ[CRASH_ENV] = loop_config["crash_at"]  # the first attempt only: a restart does not die again
+    else:
+        os.environ.pop(CRASH_ENV, None)
     source, replica = loop_config["source"], None
     if parallel.is_leader and source is None:  # only rank 0 talks to the app
         app = connect_to_app(config)
         source, replica = app.client, app.replica
     # The policy before the trainer, as in one process: the adapter's seeded init then draws the same numbers.
     policy = load_trainer_policy(config)
-    trainer = FlowGRPOTrainer(config, source, loop_config["out"], policy=policy, resume=loop_config["resume"],
+    trainer = FlowGRPOTrainer(config, source, loop_config["out"], policy=policy, resume=resume,
                               replica_handle=replica, progress=loop_config["progress"] and parallel.is_leader,
                               parallel=parallel)
     trainer.train()
     if parallel.is_leader:
         # Ray Train keeps metrics only with a checkpoint: rank 0 attaches the run's final one (train() just
         # wrote it; Ray copies it under <out>/ray_train), which also makes it the Result's checkpoint.
-        report = {"policy_version": trainer.version, "steps": trainer.step, "summary": trainer.summary()}
+        report = {"policy_version": trainer.version, "steps": trainer.step, "summary": trainer.summary(),
+                  "restarted_from_step": trainer.resumed_from_step if restarted else None}
         ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str((trainer.out / "checkpoint").resolve())))
     else:
         ray.train.report({"policy_version": trainer.version, "steps": trainer.step})
+

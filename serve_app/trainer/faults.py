@@ -15,6 +15,9 @@ the trainer kills itself with SIGKILL, which no code can catch, when it reaches 
     publish     the step's version is published; the checkpoint that records it is not written
     checkpoint  the step's checkpoint is half written (its tensors are on disk, the directory not in place)
 
+With --workers N, FLOWGRPO_CRASH_RANK=<r> picks the one rank that dies, and only in the first attempt: the
+group Ray Train restarts runs on (serve_app.trainer.distributed).
+
 Unset (always, outside such a rehearsal) it costs one environment lookup per point.
 """
 

@@ -120,6 +120,7 @@ class FlowGRPOTrainer:
         self.store: WeightPublisher = publisher if publisher is not None else open_weight_store(config)
         self.sampling: SamplingParams = config.sampling
         self.step = 0  # steps completed
+        self.resumed_from_step: int | None = None  # the checkpoint's steps, when resumed
         self.version = 0  # the version the trainer's weights equal (0 = base; a fresh adapter is a no-op)
         self.images_sampled = 0  # rollout images so far (evaluations not counted)
         self.train_seconds = 0.0  # wall time of the steps so far (evaluations included)
@@ -337,6 +338,7 @@ class FlowGRPOTrainer:
         if self.update.ema is not None and state.ema is not None:
             self.update.ema.load_state_dict(state.ema)
         self.step, self.version = state.step, state.policy_version
+        self.resumed_from_step = state.step
         self.policy_versions = list(state.policy_versions) or [self.version]
         self.dropped_batches = state.dropped_batches
         self._unrecorded = self.version + 1

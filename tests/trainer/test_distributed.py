@@ -149,6 +149,60 @@ def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process,
     assert (tmp_path / "ddp" / "out" / "lora_final.safetensors").is_file()
 
 
+# The app on the test's cluster: one replica, one torch thread, chunks never fused, so each rollout is the same
+# computation in every run; the trainer at staleness 1 with a checkpoint every step.
+RESTART_APP = [*SHARED, "app_name=flowgrpo-dp-restart", "replica.num_cpus=0.1", "replica.torch_threads=1",
+               "replica.max_batch_size=1", "replica.autoscaling.min_replicas=1", "replica.autoscaling.max_replicas=1",
+               "ingress.num_cpus=0.1", "aggregator.num_cpus=0.1"]
+RESTART_TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.micro_batch_size=4",
+                   "trainer.inner_epochs=1", "trainer.lr=1e-2", "trainer.steps=3", "trainer.eval_every=0",
+                   "trainer.image_every=0", "trainer.checkpoint_every=1", "trainer.max_staleness=1",
+                   "trainer.torch_threads=1", "trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5"]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(tmp_path, flowgrpo_home, monkeypatch):
+    """`--workers 2` against a deployed app: 3 steps straight, then 3 steps with rank 1 SIGKILLed inside step 1's
+    update. Ray Train restarts both workers (trainer.distributed.max_failures) from the checkpoint rank 0 reported
+    after step 0, and the run ends with the straight run's weights, bitwise."""
+    import csv
+
+    import ray
+    from ray import serve
+    from safetensors.torch import load_file
+
+    from serve_app.app import AppArgs, build_app
+    from serve_app.trainer.config import load_trainer_config
+    from serve_app.trainer.distributed import run_data_parallel
+
+    overrides = [*RESTART_APP, f"replica.weights_dir={tmp_path / 'weights'}"]
+    config = load_trainer_config("trainer/flowgrpo", [*overrides, *RESTART_TRAINER])
+    env = {"FLOWGRPO_HOME": flowgrpo_home, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-dp-restart", route_prefix=None)
+        straight = run_data_parallel(config, tmp_path / "straight", progress=False)
+        monkeypatch.setenv("FLOWGRPO_CRASH_AT", "update@1")
+        monkeypatch.setenv("FLOWGRPO_CRASH_RANK", "1")
+        killed = run_data_parallel(config, tmp_path / "killed", progress=False)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    assert straight["restarted_from_step"] is None and killed["restarted_from_step"] == 1
+    mine, theirs = (load_file(tmp_path / run / "lora_final.safetensors") for run in ("killed", "straight"))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert any(v.abs().max() > 0 for k, v in mine.items() if "lora_B" in k)  # it trained
+    rows = [list(csv.DictReader((tmp_path / run / "metrics.csv").open())) for run in ("straight", "killed")]
+    compared = ("reward_mean", "loss", "ratio_max", "staleness")
+    assert [[float(r[c]) for c in compared] for r in rows[0]] == [[float(r[c]) for c in compared] for r in rows[1]]
+
+
 def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) -> list[dict]:
     """This file as 2 processes, one gloo rank each, on 127.0.0.1; returns each rank's results."""
     with socket.socket() as s:
