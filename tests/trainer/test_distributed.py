@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,7 +188,9 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-dp-restart", route_prefix=None)
+        free = ray.available_resources().get("CPU", 0.0)
         straight = run_data_parallel(config, tmp_path / "straight", progress=False)
+        _wait_for_free_cpus(free)  # the straight run's workers release their CPUs after fit() has returned
         monkeypatch.setenv("FLOWGRPO_CRASH_AT", "update@1")
         monkeypatch.setenv("FLOWGRPO_CRASH_RANK", "1")
         killed = run_data_parallel(config, tmp_path / "killed", progress=False)
@@ -201,6 +204,15 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
     rows = [list(csv.DictReader((tmp_path / run / "metrics.csv").open())) for run in ("straight", "killed")]
     compared = ("reward_mean", "loss", "ratio_max", "staleness")
     assert [[float(r[c]) for c in compared] for r in rows[0]] == [[float(r[c]) for c in compared] for r in rows[1]]
+
+
+def _wait_for_free_cpus(amount: float, timeout_s: float = 60.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) + 1e-9 < amount:
+        assert time.monotonic() < deadline, f"the cluster's CPUs did not come back: {ray.available_resources()}"
+        time.sleep(0.5)
 
 
 def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) -> list[dict]:
