@@ -18,6 +18,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from serve_app.config import RolloutConfig, Section, load_config
 from serve_app.imports import import_object
 from serve_app.schemas import ImagePrompt, split_image_prompts
+from serve_app.trainer.algorithms import Algorithm, check_algorithm_sampling
 
 
 class LoraSection(Section):
@@ -102,9 +103,31 @@ class DistributedSection(Section):
     )
 
 
+class MixGRPOSection(Section):
+    """MixGRPO's sliding window (trainer.algorithm mix_grpo; serve_app.trainer.algorithms)."""
+
+    shift_interval: int = Field(25, ge=1, description="Rollouts between two moves of the window.")
+    stride: int = Field(1, ge=1, description="Steps the window moves later at each move.")
+    max_start: int = Field(
+        0, ge=0, description="The latest first step of the window; it stays there once reached. "
+        "max_start + sampling.sde_window_size must leave the last step deterministic.",
+    )
+
+
 class TrainerSection(Section):
     """The FlowGRPO loop: batch shape, optimiser, objective, logging."""
 
+    algorithm: Algorithm = Field(
+        "flow_grpo",
+        description="What each rollout samples (serve_app.trainer.algorithms): flow_grpo (the configured sampling), "
+        "or mix_grpo (a sliding SDE window, trainer.mix_grpo).",
+    )
+    grpo_guard: bool = Field(
+        False,
+        description="GRPO-Guard: clip the normalised ratio (RatioNorm) and weight each window step's loss by "
+        "1 / |dt|; needs the Gaussian Flow-SDE step (sampling.sde_type sde).",
+    )
+    mix_grpo: MixGRPOSection = Field(default_factory=MixGRPOSection, description="MixGRPO's sliding window.")
     steps: int = Field(30, ge=1, description="Training steps (one rollout request each).")
     prompts_per_step: int = Field(2, ge=1, description="Prompts (groups) per rollout request.")
     group_size: int = Field(8, ge=2, description="Samples per prompt; advantages are relative within a group.")
@@ -209,6 +232,7 @@ class TrainerRunConfig(RolloutConfig):
                 f"trainer.prompts_per_step * trainer.group_size = {samples} exceeds ingress.max_samples "
                 f"({self.ingress.max_samples})"
             )
+        check_algorithm_sampling(self.trainer, self.sampling)
         if self.trainer.group_size > self.ingress.max_group_size:
             raise ValueError(
                 f"trainer.group_size ({self.trainer.group_size}) exceeds ingress.max_group_size ({self.ingress.max_group_size})"

@@ -38,6 +38,7 @@ from serve_app.errors import PolicyVersionError
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import ImagePrompt, TrajectoryBatch, split_image_prompts
+from serve_app.trainer.algorithms import rollout_sampling
 from serve_app.trainer.checkpoint import (CheckpointState, generator_states, load_checkpoint, restore_generators,
                                           save_checkpoint)
 from serve_app.trainer.config import TrainerRunConfig
@@ -260,8 +261,9 @@ class FlowGRPOTrainer:
     def _request_rollout(self, index: int, version: int) -> TrajectoryBatch:
         """Rollout `index` (its prompts and seed) pinned to `version`; runs on a pipeline thread."""
         texts, images = split_image_prompts(self._prompts(index))
+        sampling = rollout_sampling(self.cfg, self.sampling, index)  # the algorithm's settings of this rollout
         return self.client.rollout(
-            texts, self.cfg.group_size, sampling=self.sampling, policy_version=version, seed=self._request_seed(index),
+            texts, self.cfg.group_size, sampling=sampling, policy_version=version, seed=self._request_seed(index),
             timeout_s=self.cfg.rollout_timeout_s, return_images=bool(self.cfg.image_every),
             **({} if images is None else {"images": images}),
         )

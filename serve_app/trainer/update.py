@@ -8,6 +8,7 @@ ratio 1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from serve_app.trainer.config import TrainerSection
 from serve_app.trainer.ema import EMAModel
 from serve_app.trainer.faults import crash_point
 from serve_app.trainer.lora import TrainableTransformer
-from serve_app.trainer.loss import clipped_ratio_loss, loss_stats
+from serve_app.trainer.loss import (clipped_ratio_loss, clipped_surrogate, grpo_guard_step_weight, loss_stats,
+                                    ratio_norm_log_ratio)
 from serve_app.trainer.mismatch import MismatchMonitor
 from serve_app.trainer.parallel import DataParallel, scalar
 
@@ -108,6 +110,7 @@ class PolicyUpdate:
         parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.mismatch = MismatchMonitor(**cfg.mismatch.model_dump())  # rollout-vs-replay, every step
+        self._behaviour_means: list[torch.Tensor] | None = None  # GRPO-Guard: set by run()
         # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay); rank 0 only.
         self.ema = (EMAModel(self.model.parameters(), decay=cfg.ema_decay)
                     if cfg.ema_decay and parallel.is_leader else None)
@@ -124,6 +127,9 @@ class PolicyUpdate:
         if window == 0:
             raise ValueError("the rollout has no stochastic steps (sde_type 'ode' or noise_level 0): nothing to train")
         self.check_behaviour(trajectory, seed=seed, current=check_onpolicy)
+        # GRPO-Guard normalises each ratio with the behaviour policy's transition means: computed once, before
+        # anything changes, with the weights that sampled the batch.
+        self._behaviour_means = self._behaviour_means_of(trajectory, current=check_onpolicy) if cfg.grpo_guard else None
         generator = torch.Generator().manual_seed(seed)
         optimizer_steps = 0
         for expert in self.model.experts.values():
@@ -154,9 +160,15 @@ class PolicyUpdate:
         old_log_prob = trajectory.log_probs[rows, k].to(new.log_prob.device)
         # With trainer.mismatch.tis_cap: the trainer's pre-update log-prob, and TIS-weighted advantages.
         old_log_prob, weighted = self.mismatch.correct(rows, k, old_log_prob, advantages[rows].to(new.log_prob.device))
-        policy_loss, ratio = clipped_ratio_loss(new.log_prob, old_log_prob, weighted, cfg.clip_range)
+        policy_loss, raw_ratio = clipped_ratio_loss(new.log_prob, old_log_prob, weighted, cfg.clip_range)
+        ratio = raw_ratio
+        if self._behaviour_means is not None:  # GRPO-Guard: the normalised ratio, each step's loss weighted by 1 / |dt|
+            old_mean = self._behaviour_means[k][rows].to(new.mean.device)
+            ratio = torch.exp(ratio_norm_log_ratio(new.log_prob, old_log_prob, new.mean, old_mean, new.std.flatten(1)[:, 0]))
+            step_weight = grpo_guard_step_weight(trajectory.sigmas, int(trajectory.step_indices[k]))
+            policy_loss = clipped_surrogate(ratio, weighted, cfg.clip_range) * step_weight
         if on_policy:  # checked against the tolerance before the first optimizer step (check_onpolicy)
-            deviation = float((ratio.detach() - 1.0).abs().max())
+            deviation = float((raw_ratio.detach() - 1.0).abs().max())
             stats.onpolicy_ratio_dev = max(stats.onpolicy_ratio_dev, deviation)
         kl = torch.zeros((), device=policy_loss.device)
         if cfg.beta > 0:
@@ -177,6 +189,16 @@ class PolicyUpdate:
         stats.clip_fracs.append(s.clip_frac)
         stats.ratios.append(ratio.detach().cpu())
         return loss
+
+    @torch.no_grad()
+    def _behaviour_means_of(self, trajectory: Trajectory, *, current: bool) -> list[torch.Tensor]:
+        """[B, ...] transition means of every window step k under the weights that sampled the batch (the current
+        ones when `current`, else that version's kept tensors), replayed in micro-batches."""
+        behaviour = contextlib.nullcontext() if current else self.model.at_version(trajectory.policy_version)
+        rows = torch.arange(len(trajectory)).split(self.cfg.micro_batch_size)
+        with behaviour:
+            return [torch.cat([replay_step(self.policy, trajectory, k, rows=r).mean.cpu() for r in rows])
+                    for k in range(trajectory.log_probs.shape[1])]
 
     def check_behaviour(self, trajectory: Trajectory, *, seed: int, current: bool) -> None:
         """Replay a sample of this rank's rows (trainer.mismatch.check_groups whole groups drawn with `seed`; every

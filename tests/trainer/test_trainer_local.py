@@ -337,3 +337,25 @@ def test_an_adapter_never_delivered_is_caught_by_reading_the_modules_back(local_
     with pytest.raises(WeightMismatchError, match=r"policy version 1: \d+ of \d+ adapter tensors bound") as info:
         trainer.train_step()
     assert "replica" in str(info.value)
+
+
+def test_mix_grpo_trains_through_the_app_on_the_windows_its_schedule_places(local_app, tmp_path):
+    """trainer.algorithm mix_grpo: each request names its window's first step, the app samples exactly that
+    window, and the trainer replays it (ratio 1 on-policy)."""
+    client, overrides = local_app
+    windows = []
+
+    class Recording:
+        def rollout(self, *args, **kwargs):
+            batch = client.rollout(*args, **kwargs)
+            windows.append(batch.trajectory.step_indices.tolist())
+            return batch
+
+    config = load_trainer_config("trainer/flowgrpo", [
+        *overrides, *TRAINER, "trainer.lr=1e-2", "sampling.sde_window_size=1", "sampling.sde_window_range=[0,1]",
+        "trainer.algorithm=mix_grpo", "trainer.mix_grpo.shift_interval=1", "trainer.mix_grpo.max_start=1"])
+    trainer = FlowGRPOTrainer(config, Recording(), tmp_path / "out", policy=load_trainer_policy(config), progress=False)
+    rows = trainer.train(3)
+    assert windows == [[0], [1], [1]]
+    assert all(row["onpolicy_ratio_dev"] < 1e-6 for row in rows)
+    assert trainer.version == 3
