@@ -13,12 +13,17 @@ same rollouts the uninterrupted run would have.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 from serve_app.config.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from serve_app.trainer.config import TrainerSection
+
+class TrainerSection(Protocol):
+    """What these functions read of serve_app.trainer.config.TrainerSection (which imports this module)."""
+
+    algorithm: str
+    grpo_guard: bool
+    mix_grpo: Any
 
 Algorithm = Literal["flow_grpo", "mix_grpo"]
 ALGORITHMS: tuple[str, ...] = ("flow_grpo", "mix_grpo")
