@@ -54,7 +54,9 @@ class SamplingParams(BaseModel):
     noise_level: StrictFloat = Field(
         1.2, ge=0.0, le=10.0, allow_inf_nan=False, description="The `a` of Flow-GRPO (CPS: at most 1); 0 samples the ODE."
     )
-    sde_type: Literal["sde", "cps", "ode"] = Field("sde", description="Stochastic step used inside the window.")
+    sde_type: Literal["sde", "cps", "dance", "ode"] = Field(
+        "sde", description="Stochastic step used inside the window: sde (Flow-SDE), cps (coefficients-preserving), "
+        "dance (DanceGRPO's step) or ode.")
     sde_window_size: StrictInt | None = Field(
         2, ge=1, description="Stochastic (trained) steps per trajectory; None makes every step but the last stochastic."
     )

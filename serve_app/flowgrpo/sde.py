@@ -16,8 +16,8 @@ from typing import Literal, Sequence
 
 import torch
 
-SDEType = Literal["sde", "cps", "ode"]
-SDE_TYPES: tuple[str, ...] = ("sde", "cps", "ode")
+SDEType = Literal["sde", "cps", "dance", "ode"]
+SDE_TYPES: tuple[str, ...] = ("sde", "cps", "dance", "ode")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -93,7 +93,8 @@ def sde_step(
         sample: [B, ...] the current latent x_sigma.
         sigma, sigma_next: floats or tensors broadcastable over the batch, ``sigma_next < sigma``.
         noise_level: the ``a`` of Flow-GRPO (>= 0); 0 gives the deterministic Euler step.
-        sde_type: ``"sde"`` (Flow-SDE), ``"cps"`` (coefficients-preserving) or ``"ode"`` (Euler).
+        sde_type: ``"sde"`` (Flow-SDE), ``"cps"`` (coefficients-preserving), ``"dance"`` (DanceGRPO's step:
+            Euler plus the score drift, std ``a sqrt(|dt|)``) or ``"ode"`` (Euler).
         prev_sample: when given, it is scored instead of sampled (the trainer's recomputation).
         generator: one generator, or one per sample so each row's noise depends on its seed only.
     """
@@ -137,6 +138,13 @@ def sde_step(
             + v * (1.0 + std_dev_t**2 * (1.0 - sigma_t) / (2.0 * sigma_t)) * dt
         )
         std = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "dance":
+        # DanceGRPO (Xue et al. 2025, arXiv 2505.07818): the score of x_sigma = (1 - sigma) x0 + sigma eps is
+        # -eps_hat / sigma, and x - (1 - sigma) x0_hat = sigma eps_hat; the drift adds -a^2/2 score dt.
+        x0_hat = x - sigma_t * v
+        score = -(x - (1.0 - sigma_t) * x0_hat) / sigma_t**2
+        mean = x + v * dt - 0.5 * noise_level**2 * score * dt
+        std = noise_level * torch.sqrt(-dt)
     else:  # cps
         std = sigma_n * math.sin(noise_level * math.pi / 2.0)
         x0_hat = x - sigma_t * v
@@ -150,7 +158,7 @@ def sde_step(
     # Score the value the caller keeps (rounded to its dtype), so scoring it later gives this number.
     x_prev = prev_sample.float()
     reduce_dims = tuple(range(1, x.ndim))
-    if sde_type == "sde":
+    if sde_type in ("sde", "dance"):
         log_density = -((x_prev - mean) ** 2) / (2.0 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     else:
         # The CPS reference drops the constants and the 1 / (2 std^2) scale; kept so clip ranges carry over.

@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from serve_app.errors import InvalidRequestError
+from serve_app.flowgrpo.sde import SDE_TYPES
 from serve_app.api import RolloutRequest
 from serve_app.schemas import PromptEmbeds, TrajectoryBatch
 from serve_app.wire.container import pack
@@ -73,8 +74,8 @@ def sglang_request(request: SglangRolloutRequest) -> RolloutRequest:
     if guidance is not None:
         sampling["guidance_scale"] = guidance
     if request.rollout:
-        if request.rollout_sde_type not in ("sde", "cps", "ode"):
-            raise InvalidRequestError(f"must be sde, cps or ode; got {request.rollout_sde_type!r}", "rollout_sde_type")
+        if request.rollout_sde_type not in SDE_TYPES:
+            raise InvalidRequestError(f"must be one of {', '.join(SDE_TYPES)}; got {request.rollout_sde_type!r}", "rollout_sde_type")
         sampling.update(sde_type=request.rollout_sde_type, noise_level=float(request.rollout_noise_level),
                         **_window(request.rollout_sde_step_indices))
     else:  # SGLang's evaluation mode: plain generation, no trajectory

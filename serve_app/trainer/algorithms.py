@@ -28,7 +28,7 @@ class TrainerSection(Protocol):
 Algorithm = Literal["flow_grpo", "mix_grpo"]
 ALGORITHMS: tuple[str, ...] = ("flow_grpo", "mix_grpo")
 # GRPO-Guard's RatioNorm needs the Gaussian log-density with its 1 / (2 s^2) scale (serve_app.trainer.loss).
-GAUSSIAN_STEPS: tuple[str, ...] = ("sde",)
+GAUSSIAN_STEPS: tuple[str, ...] = ("sde", "dance")
 
 
 def mix_grpo_window_start(cfg: TrainerSection, index: int) -> int:

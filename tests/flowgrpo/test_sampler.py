@@ -73,7 +73,7 @@ def test_full_sde_window_covers_all_steps_but_the_last(policy, text):
     assert traj.log_probs.shape == (2, params.num_steps - 1)
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
 def test_replay_gives_ratio_one(policy, text, sde_type):
     params = PARAMS.model_copy(update={"sde_type": sde_type})
     traj = sample_group(policy, text.tokenize(["a cat", "a dog on grass"]), 2, params, policy_version=0)

@@ -81,6 +81,37 @@ def test_cps_preserves_the_marginal_coefficients():
     torch.testing.assert_close(out.log_prob, -((out.prev_sample - out.mean) ** 2).mean(dim=(1, 2)))
 
 
+def test_dance_step_restates_dance_grpo():
+    # DanceGRPO's flux_step written out: Euler mean, plus -a^2/2 * score * dsigma with the score
+    # -(x - (1 - s) x0_hat) / s^2, std a sqrt(s - s'), and the full Gaussian log-density.
+    v, x = _inputs()
+    sigma, sigma_next, a = 0.7, 0.55, 0.3
+    out = sde_step(v, x, sigma, sigma_next, noise_level=a, sde_type="dance", generator=torch.Generator().manual_seed(2))
+    dsigma = sigma_next - sigma
+    x0_hat = x - sigma * v
+    score = -(x - x0_hat * (1 - sigma)) / sigma**2
+    mean = x + dsigma * v + (-0.5 * a**2 * score) * dsigma
+    std = a * math.sqrt(sigma - sigma_next)
+    torch.testing.assert_close(out.mean, mean)
+    torch.testing.assert_close(out.std, torch.full((3, 1, 1), std))
+    log_prob = (-((out.prev_sample - mean) ** 2) / (2 * std**2) - math.log(std) - math.log(math.sqrt(2 * math.pi)))
+    torch.testing.assert_close(out.log_prob, log_prob.mean(dim=(1, 2)))
+    rescored = sde_step(v, x, sigma, sigma_next, noise_level=a, sde_type="dance", prev_sample=out.prev_sample)
+    assert torch.equal(rescored.log_prob, out.log_prob)
+
+
+def test_dance_step_with_a_perfect_velocity_keeps_the_signal():
+    # The score drift only moves the noise part, shrinking it for the noise the step adds: with
+    # v = eps - x0 the mean is (1 - s') x0 + (s' - a^2 |dt| / (2 s)) eps.
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    sigma, sigma_next, a = 0.8, 0.6, 0.5
+    x = (1 - sigma) * x0 + sigma * eps
+    out = sde_step(eps - x0, x, sigma, sigma_next, noise_level=a, sde_type="dance")
+    expected = (1 - sigma_next) * x0 + (sigma_next - a**2 * (sigma - sigma_next) / (2 * sigma)) * eps
+    torch.testing.assert_close(out.mean, expected, atol=1e-6, rtol=0)
+
+
 def test_tensor_sigmas_per_sample():
     v, x = _inputs()
     sigma = torch.tensor([0.9, 0.5, 0.3])
