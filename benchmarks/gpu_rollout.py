@@ -76,7 +76,8 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from serve_app.flowgrpo.ratios import replay_log_probs, summarize_log_ratios  # noqa: E402
-from serve_app.flowgrpo.sampler import encode_conditioning, initial_latents, transition  # noqa: E402
+from serve_app.flowgrpo.sampler import deterministic_transition, encode_conditioning, initial_latents  # noqa: E402
+from serve_app.flowgrpo.sde import SolverHistory  # noqa: E402
 from serve_app.flowgrpo.seeding import sample_generators  # noqa: E402
 from serve_app.models import ensure_embedded_model, ensure_qwen2_tokenizer  # noqa: E402
 from serve_app.models.tiny_parts import cast_like_loaded  # noqa: E402
@@ -234,7 +235,7 @@ def transformer_throughput(prep: Prepared, clock: timing.Clock, *, peak_tflops: 
     sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width).to(policy.device)
 
     def step() -> None:
-        transition(policy, latents, sigmas[0], sigmas[1], conditioning, params, stochastic=False)
+        deterministic_transition(policy, latents, sigmas[0], sigmas[1], conditioning, params, SolverHistory())
 
     with torch.inference_mode():
         with FlopCounterMode(display=False) as counter:

@@ -176,10 +176,11 @@ class RolloutChunk:
 class Trajectory:
     """Sampled trajectories of B samples (one chunk, or a whole request once aggregated).
 
-    latents:          [B, K+1, *latent_shape] the latents entering each stochastic step and the last one's output.
+    latents:          [B, K+1, *latent_shape] the latents entering each stochastic step and the last one's output
+                      (sampling.record final: K = 0 and latents[:, 0] are the final latents).
     log_probs:        [B, K] float32 log-probs of each stochastic transition.
     sigmas:           [N+1] float32 the full schedule (N = num_steps).
-    step_indices:     [K] long, which steps of the schedule are stochastic (the SDE window).
+    step_indices:     [K] long, which steps of the schedule are recorded stochastic steps (the SDE window).
     images:           [B, 3, H, W] uint8 decoded images; [B, F, 3, H, W] for a video family; None in the
                       transitions a trainer replays (images travel apart, to the rewards, and to the trainer
                       only when it asks: TrajectoryBatch.images).

@@ -57,11 +57,21 @@ class SamplingParams(BaseModel):
     sde_type: Literal["sde", "cps", "dance", "ode"] = Field(
         "sde", description="Stochastic step used inside the window: sde (Flow-SDE), cps (coefficients-preserving), "
         "dance (DanceGRPO's step) or ode.")
+    ode_solver: Literal["euler", "dpm2m"] = Field(
+        "euler", description="Solver of the deterministic steps outside the window: euler, or dpm2m "
+        "(DPM-Solver++(2M), second order: the same quality in fewer steps).")
     sde_window_size: StrictInt | None = Field(
         2, ge=1, description="Stochastic (trained) steps per trajectory; None makes every step but the last stochastic."
     )
     sde_window_range: tuple[StrictInt, StrictInt] = Field(
         (0, 5), description="Half-open range [lo, hi) the window's first step is drawn from (Flow-GRPO-Fast)."
+    )
+    record: Literal["window", "final"] = Field(
+        "window",
+        description="What the trajectory keeps: window (the latents entering each SDE step and after the last, "
+        "with their log-probs: what a ratio-based trainer replays) or final (the final latents alone, no "
+        "log-probs: what a forward-process trainer such as DiffusionNFT needs). With final and noise_level 0 "
+        "every step is the ode_solver's.",
     )
     seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
     group_noise: Literal["independent", "shared"] = Field(
@@ -105,6 +115,7 @@ class SamplingParams(BaseModel):
                 "guidance_scale": self.guidance_scale if guidance_scale is None else float(guidance_scale),
                 "noise_level": 0.0,
                 "sde_type": "ode",
+                "ode_solver": "euler",
                 "sde_window_size": None,
                 "sde_window_range": (0, 1),
                 "group_noise": "independent",

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from serve_app.flowgrpo.sde import SDEStepResult, draw_noise, sde_step
+from serve_app.flowgrpo.sde import SDEStepResult, SolverHistory, draw_noise, ode_step, sde_step
 from serve_app.flowgrpo.seeding import RequestSeeds, fresh_request_seed, sample_generators
 from serve_app.media import to_uint8
 from serve_app.config.sampling import SamplingParams
@@ -74,23 +74,17 @@ def window_steps(params: SamplingParams, window_start: int | None) -> list[int]:
     return list(range(window_start, window_start + params.sde_window_size))
 
 
-def transition(
+def conditioned_velocity(
     policy: SamplingPolicy,
     latents: torch.Tensor,
     sigma: torch.Tensor,
-    sigma_next: torch.Tensor,
     conditioning: Conditioning,
     params: SamplingParams,
-    *,
-    stochastic: bool,
-    prev_sample: torch.Tensor | None = None,
-    generator: Sequence[torch.Generator] | None = None,
-) -> SDEStepResult:
-    """One denoising step of a batch: velocity (with CFG) then the SDE (or ODE) step."""
-    batch = latents.shape[0]
-    velocity = policy.velocity(
+) -> torch.Tensor:
+    """The velocity of a batch at `sigma`, with true CFG when the request has it."""
+    return policy.velocity(
         latents,
-        sigma.expand(batch),
+        sigma.expand(latents.shape[0]),
         conditioning.prompts.select(conditioning.embed_row),
         # CFG on or off for the whole request (the stock pipelines' do_classifier_free_guidance), at the
         # scale of this step's expert.
@@ -99,16 +93,44 @@ def transition(
         height=params.height,
         width=params.width,
     )
+
+
+def transition(
+    policy: SamplingPolicy,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    conditioning: Conditioning,
+    params: SamplingParams,
+    *,
+    prev_sample: torch.Tensor | None = None,
+    generator: Sequence[torch.Generator] | None = None,
+) -> SDEStepResult:
+    """One stochastic step of a batch: velocity (with CFG) then the SDE step, sampled or scoring `prev_sample`."""
     return sde_step(
-        velocity,
+        conditioned_velocity(policy, latents, sigma, conditioning, params),
         latents,
         sigma,
         sigma_next,
-        noise_level=params.noise_level if stochastic else 0.0,
-        sde_type=params.sde_type if stochastic else "ode",
+        noise_level=params.noise_level,
+        sde_type=params.sde_type,
         prev_sample=prev_sample,
         generator=generator,
     )
+
+
+def deterministic_transition(
+    policy: SamplingPolicy,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    conditioning: Conditioning,
+    params: SamplingParams,
+    history: SolverHistory,
+) -> tuple[torch.Tensor, SolverHistory]:
+    """One step outside the window, by `params.ode_solver`; returns the next latents and the solver's history."""
+    velocity = conditioned_velocity(policy, latents, sigma, conditioning, params)
+    return ode_step(velocity, latents, float(sigma), float(sigma_next), solver=params.ode_solver, history=history)
 
 
 @dataclass
@@ -134,18 +156,20 @@ def denoise(
     stochastic = set(steps)
     recorded: list[torch.Tensor] = []
     log_probs: list[torch.Tensor] = []
+    history = SolverHistory()
     for i in range(start, params.num_steps):
-        if i in stochastic:
-            recorded.append(latents)
-        result = transition(
-            policy, latents, sigmas[i], sigmas[i + 1], conditioning, params,
-            stochastic=i in stochastic, generator=generators,
-        )
+        if i not in stochastic:
+            latents, history = deterministic_transition(
+                policy, latents, sigmas[i], sigmas[i + 1], conditioning, params, history)
+            continue
+        recorded.append(latents)
+        result = transition(policy, latents, sigmas[i], sigmas[i + 1], conditioning, params, generator=generators)
         latents = result.prev_sample
-        if i in stochastic:
-            log_probs.append(result.log_prob)
-            if i + 1 not in stochastic:
-                recorded.append(latents)
+        log_probs.append(result.log_prob)
+        # A multistep solver's history belongs to the deterministic path the sample has just left.
+        history = SolverHistory()
+        if i + 1 not in stochastic:
+            recorded.append(latents)
     batch = latents.shape[0]
     window = torch.stack(recorded, dim=1) if recorded else latents.new_zeros((batch, 0, *latents.shape[1:]))
     logp = torch.stack(log_probs, dim=1) if log_probs else torch.zeros(batch, 0)
@@ -176,9 +200,10 @@ def shared_prefix(
     group_conditioning = Conditioning(conditioning.prompts, conditioning.embed_row[leader.to(conditioning.embed_row.device)],
                                       conditioning.negative)
     latents = initial_latents(policy, params, sample_generators(groups))
+    history = SolverHistory()
     for i in range(until):
-        latents = transition(policy, latents, sigmas[i], sigmas[i + 1], group_conditioning, params,
-                             stochastic=False).prev_sample
+        latents, history = deterministic_transition(
+            policy, latents, sigmas[i], sigmas[i + 1], group_conditioning, params, history)
     return latents[member.to(latents.device)]
 
 
@@ -195,7 +220,8 @@ def rollout(
     weights_hash: str,
     group_seeds: torch.Tensor | None = None,
 ) -> Trajectory:
-    """Sample B trajectories (B = len(seeds)) and record the SDE window's latents and log-probs.
+    """Sample B trajectories (B = len(seeds)) and record the SDE window's latents and log-probs (or, with
+    `params.record` final, the final latents alone: latents [B, 1, ...], log_probs [B, 0], no step indices).
 
     prompt_index / sample_index [B] say where each sample belongs in its request (kept, not used);
     policy_version / weights_hash are the stamp of the weights the policy holds. With group_seeds [B]
@@ -209,6 +235,9 @@ def rollout(
         if t.shape != batch_shape:
             raise ValueError(f"{name} must be [B] = {batch_shape} like the conditioning rows; got {tuple(t.shape)}")
     steps = window_steps(params, window_start)
+    deterministic = params.noise_level == 0 or params.sde_type == "ode"
+    if params.record == "final" and deterministic:
+        steps = []  # nothing to record or branch on: every step is the ODE solver's
     # 2. Schedule and per-sample noise streams
     sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width).to(policy.device)
     generators = sample_generators(seeds)
@@ -221,9 +250,13 @@ def rollout(
     result = denoise(policy, conditioning, latents, sigmas, steps, params, generators, start=start)
     # 4. Decode
     images = to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width))
+    if params.record == "final":
+        recorded, log_probs, steps = result.final_latents[:, None], result.log_probs[:, :0], []
+    else:
+        recorded, log_probs = result.window_latents, result.log_probs
     return Trajectory(
-        latents=result.window_latents.cpu(),
-        log_probs=result.log_probs.cpu(),
+        latents=recorded.cpu(),
+        log_probs=log_probs.cpu(),
         sigmas=sigmas.cpu(),
         step_indices=torch.tensor(steps, dtype=torch.long),
         images=images,
@@ -321,7 +354,6 @@ def replay_step(
         trajectory.sigmas[step + 1].to(device),
         conditioning,
         trajectory.sampling,
-        stochastic=True,
         prev_sample=trajectory.latents[index, k + 1].to(device),
     )
 

@@ -18,6 +18,8 @@ import torch
 
 SDEType = Literal["sde", "cps", "dance", "ode"]
 SDE_TYPES: tuple[str, ...] = ("sde", "cps", "dance", "ode")
+ODESolver = Literal["euler", "dpm2m"]
+ODE_SOLVERS: tuple[str, ...] = ("euler", "dpm2m")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -164,6 +166,63 @@ def sde_step(
         # The CPS reference drops the constants and the 1 / (2 std^2) scale; kept so clip ranges carry over.
         log_density = -((x_prev - mean) ** 2)
     return SDEStepResult(prev_sample, log_density.mean(dim=reduce_dims), mean, std)
+
+
+@dataclass(frozen=True)
+class SolverHistory:
+    """What a multistep ODE solver carries from one deterministic step to the next: the previous step's
+    data prediction x0_hat and its step in log-SNR, h. Empty at the start and after a stochastic step."""
+
+    data_prediction: torch.Tensor | None = None
+    log_snr_step: float = math.inf
+
+
+def _log_snr(sigma: float) -> float:
+    """lambda = log(alpha / sigma) with alpha = 1 - sigma; -inf at sigma 1, +inf at sigma 0."""
+    if sigma >= 1.0:
+        return -math.inf
+    if sigma <= 0.0:
+        return math.inf
+    return math.log((1.0 - sigma) / sigma)
+
+
+def ode_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    solver: ODESolver,
+    history: SolverHistory,
+) -> tuple[torch.Tensor, SolverHistory]:
+    """One deterministic step from ``sigma`` to ``sigma_next`` (floats or 0-dim tensors: shared by the batch).
+
+    ``euler``: x + v dt. ``dpm2m``: DPM-Solver++(2M) (Lu et al. 2022, arXiv 2211.01095) in data-prediction form
+    for x_sigma = alpha x0 + sigma eps with alpha = 1 - sigma, lambda = log(alpha / sigma), h = lambda' - lambda:
+        x' = (sigma' / sigma) x + alpha' (1 - e^-h) D,   x0_hat = x - sigma v,
+        D = (1 + 1 / (2 r)) x0_hat - 1 / (2 r) x0_prev with r = h_prev / h, or D = x0_hat without a previous
+        step. The first-order form equals Euler, so a step without history (the first, the first after a
+        stochastic step) and the last (sigma' = 0, where D = x0_hat lands) take the Euler step itself.
+    Returns the next latent (the input dtype) and the history the next step needs.
+    """
+    if solver not in ODE_SOLVERS:
+        raise ValueError(f"ode_solver must be one of {ODE_SOLVERS}; got {solver!r}")
+    x = sample.float()
+    v = velocity.float()
+    sigma_t = _as_batch_column(sigma, sample, "sigma")
+    sigma_n = _as_batch_column(sigma_next, sample, "sigma_next")
+    s, s_next = float(sigma), float(sigma_next)
+    x0_hat = x - sigma_t * v
+    h = _log_snr(s_next) - _log_snr(s)
+    if solver == "euler" or history.data_prediction is None or math.isinf(h) or math.isinf(history.log_snr_step):
+        # The same arithmetic as sde_step's deterministic branch: Euler rollouts are unchanged by the solver option.
+        out = x + v * (sigma_n - sigma_t)
+    else:
+        half_inverse_r = h / (2.0 * history.log_snr_step)
+        data = (1.0 + half_inverse_r) * x0_hat - half_inverse_r * history.data_prediction
+        out = (s_next / s) * x + (1.0 - s_next) * (-math.expm1(-h)) * data
+    next_history = SolverHistory(x0_hat, h) if solver == "dpm2m" else history
+    return out.to(sample.dtype), next_history
 
 
 def kl_between_means(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,45 @@ def test_bytes_on_the_wire_are_the_tensors_and_a_small_header(url):
     assert {"latents", "prompt_embeds.embeds", "negative_embeds.embeds", "sigmas", "step_indices"} <= header.keys()
 
 
+ALGORITHM_SAMPLING = {
+    "dance_grpo": {"sde_type": "dance", "noise_level": 0.3},
+    "mix_grpo": {"sde_window_range": [1, 2], "ode_solver": "dpm2m"},
+    "diffusion_nft": {"noise_level": 0.0, "ode_solver": "dpm2m", "record": "final"},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_SAMPLING))
+def test_each_algorithms_sampling_crosses_bitwise_by_handle_and_over_http(app, client, algorithm):
+    sampling = ALGORITHM_SAMPLING[algorithm]
+    by_handle = RolloutClient(handle=app[0]).rollout(["a cat", "a dog"], 2, seed=5, sampling=sampling)
+    over_http = client.rollout(["a cat", "a dog"], 2, seed=5, sampling=sampling)
+    assert_same_batch(over_http, by_handle)
+    transitions = over_http.transitions
+    assert transitions.sampling.model_dump(include=set(sampling)) == {
+        k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
+    if algorithm == "diffusion_nft":  # the final latents and the conditioning; no transitions
+        assert transitions.latents.shape[:2] == (4, 1) and transitions.log_probs.shape == (4, 0)
+        assert transitions.step_indices.tolist() == []
+    else:
+        expected_steps = [1, 2] if algorithm == "mix_grpo" else transitions.step_indices.tolist()
+        assert transitions.step_indices.tolist() == expected_steps and len(expected_steps) == 2
+        assert transitions.latents.shape[:2] == (4, 3) and torch.isfinite(transitions.log_probs).all()
+
+
+def test_final_latents_alone_are_a_fraction_of_the_windows_bytes(url):
+    def answer_bytes(sampling: dict) -> int:
+        body = {"prompts": ["a cat", "a dog"], "group_size": 4, "seed": 1, "return_trajectory": True,
+                "sampling": {"noise_level": 0.0, "sde_window_size": None, "sde_window_range": [0, 1], **sampling}}
+        answer = httpx.post(f"{url}/v1/rollouts", json=body, headers={**auth(), "Accept": TRAJECTORY_MEDIA_TYPE},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+        return len(answer.content)
+
+    window, final = answer_bytes({}), answer_bytes({"record": "final"})
+    # Four steps: the window keeps five latents per sample and three log-probs, final one latent.
+    assert final < window * 0.6, (final, window)
+
+
 def lora_tensors(seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"proj_out.lora_A.weight": torch.randn(2, 32, generator=g) * scale,

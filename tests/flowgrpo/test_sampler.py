@@ -5,6 +5,7 @@ import torch
 
 from serve_app.flowgrpo.sampler import (
     Conditioning,
+    denoise,
     encode_conditioning,
     initial_latents,
     replay_step,
@@ -12,6 +13,7 @@ from serve_app.flowgrpo.sampler import (
     sample_group,
 )
 from serve_app.flowgrpo.seeding import sample_generators
+from serve_app.media import to_uint8
 from serve_app.schemas import SamplingParams
 
 
@@ -214,3 +216,50 @@ def test_shared_group_noise_replays_with_ratio_one_and_depends_on_seeds_only(pol
     chunks, _ = DiffusersEngine(policy).generate(plan.chunks)
     served = torch.cat([c.latents for c in chunks])
     torch.testing.assert_close(served, reference.latents, atol=1e-5, rtol=0)
+
+
+def test_dpm2m_runs_the_steps_outside_the_window_and_replays_to_ratio_one(policy, text):
+    prompts = text.tokenize(["a cat", "two green triangles"])
+    late = PARAMS.model_copy(update={"sde_window_range": (3, 4)})  # three deterministic steps before the window
+    euler = sample_group(policy, prompts, 2, late, policy_version=0)
+    dpm = sample_group(policy, prompts, 2, late.model_copy(update={"ode_solver": "dpm2m"}), policy_version=0)
+    assert euler.step_indices.tolist() == dpm.step_indices.tolist() == [3, 4]
+    assert not torch.allclose(euler.latents[:, 0], dpm.latents[:, 0], atol=1e-4)
+    for k in range(dpm.log_probs.shape[1]):
+        torch.testing.assert_close(replay_step(policy, dpm, k).log_prob, dpm.log_probs[:, k], atol=1e-6, rtol=0)
+
+
+def test_shared_group_noise_runs_the_same_solver_before_the_window(policy, text):
+    # The shared prefix (once per group) lands where each sample's own deterministic steps would.
+    prompts = text.tokenize(["a cat", "a dog"])
+    params = SHARED.model_copy(update={"ode_solver": "dpm2m"})
+    shared = sample_group(policy, prompts, 2, params, policy_version=0)
+    conditioning = encode_conditioning(policy, prompts, shared.prompt_index, None, params)
+    group_seeds = torch.tensor([123, 123, 456, 456])
+    prefix_shared = rollout(policy, conditioning, shared.seeds, params, window_start=3, prompt_index=shared.prompt_index,
+                            sample_index=shared.sample_index, policy_version=0, weights_hash="base", group_seeds=group_seeds)
+    alone = rollout(policy, conditioning, group_seeds, params.model_copy(update={"group_noise": "independent"}),
+                    window_start=3, prompt_index=shared.prompt_index, sample_index=shared.sample_index,
+                    policy_version=0, weights_hash="base")
+    torch.testing.assert_close(prefix_shared.latents[:, 0], alone.latents[:, 0], atol=1e-5, rtol=0)
+
+
+def test_record_final_keeps_the_final_latents_alone(policy, text):
+    prompts = text.tokenize(["a cat", "a dog on grass"])
+    ode = PARAMS.model_copy(update={"noise_level": 0.0, "ode_solver": "dpm2m"})
+    window = sample_group(policy, prompts, 2, ode, policy_version=0)
+    final = sample_group(policy, prompts, 2, ode.model_copy(update={"record": "final"}), policy_version=0)
+    assert final.latents.shape == (4, 1, *window.latents.shape[2:])
+    assert final.log_probs.shape == (4, 0) and final.step_indices.tolist() == []
+    decoded = to_uint8(policy.decode(final.latents[:, 0], height=ode.height, width=ode.width))
+    assert torch.equal(decoded, final.images)
+    # Every step is the solver's: the same final latents as a solve of the whole schedule by hand.
+    conditioning = encode_conditioning(policy, prompts, final.prompt_index, None, ode)
+    sigmas = policy.sigma_schedule(ode.num_steps, ode.height, ode.width)
+    latents = initial_latents(policy, ode, sample_generators(final.seeds))
+    by_hand = denoise(policy, conditioning, latents, sigmas, [], ode, sample_generators(final.seeds)).final_latents
+    torch.testing.assert_close(final.latents[:, 0], by_hand, atol=1e-6, rtol=0)
+    # With noise, the SDE steps still run, and still nothing but the final latents is kept.
+    noisy = sample_group(policy, prompts, 2, PARAMS.model_copy(update={"record": "final"}), policy_version=0)
+    assert noisy.latents.shape == final.latents.shape and noisy.log_probs.shape == (4, 0)
+    assert not torch.allclose(noisy.latents, final.latents, atol=1e-3)

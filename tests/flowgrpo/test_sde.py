@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from serve_app.flowgrpo.sde import kl_between_means, sde_step
+from serve_app.flowgrpo.sde import SolverHistory, kl_between_means, ode_step, sde_step
 
 
 def _inputs(batch=3, shape=(4, 5), seed=0, dtype=torch.float32):
@@ -155,3 +155,76 @@ def test_kl_between_means_is_per_dim_gaussian_kl():
     p = torch.distributions.Normal(mean, std.expand(2, 3))
     q = torch.distributions.Normal(mean_ref, std.expand(2, 3))
     torch.testing.assert_close(kl_between_means(mean, mean_ref, std), torch.distributions.kl_divergence(p, q).mean(1))
+
+
+def _gaussian_data_velocity(mu: float, c: float):
+    """The exact velocity field when x0 ~ N(mu, c^2) per dim and x_s = (1 - s) x0 + s eps, and its flow map:
+    the ODE carries x_1 = z to x_0 = mu + c z."""
+
+    def velocity(x: torch.Tensor, s: float) -> torch.Tensor:
+        a = 1.0 - s
+        x0_mean = mu + a * c**2 / (a**2 * c**2 + s**2) * (x - a * mu)
+        return (x - x0_mean) / s
+
+    return velocity
+
+
+def _solve(velocity, z: torch.Tensor, sigmas: list[float], solver: str) -> torch.Tensor:
+    x, history = z, SolverHistory()
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        x, history = ode_step(velocity(x, s), x, s, s_next, solver=solver, history=history)
+    return x
+
+
+def test_euler_ode_step_is_the_deterministic_sde_step_bitwise():
+    v, x = _inputs()
+    sigma, sigma_next = torch.tensor(0.7), torch.tensor(0.45)
+    out, _ = ode_step(v, x, sigma, sigma_next, solver="euler", history=SolverHistory())
+    assert torch.equal(out, sde_step(v, x, sigma, sigma_next, noise_level=0.0).prev_sample)
+    # Without a previous step, and at the last step, DPM-Solver++(2M) takes the Euler step too.
+    first, history = ode_step(v, x, sigma, sigma_next, solver="dpm2m", history=SolverHistory())
+    assert torch.equal(first, out)
+    last, _ = ode_step(v, x, 0.3, 0.0, solver="dpm2m", history=history)
+    torch.testing.assert_close(last, x - 0.3 * v)
+
+
+def test_dpm2m_step_restates_dpm_solver_pp_2m():
+    # The multistep update of Lu et al. (2022), Algorithm 2, in float64 with alpha = 1 - sigma:
+    # x_t = (s_t / s_{t-1}) x - alpha_t (e^{-h} - 1) D, D = (1 + 1/(2r)) x0_{t-1} - 1/(2r) x0_{t-2}.
+    v_prev, x_prev = _inputs(seed=1)
+    v, x = _inputs(seed=2)
+    s0, s1, s2 = 0.8, 0.6, 0.35
+    _, history = ode_step(v_prev, x_prev, s0, s1, solver="dpm2m", history=SolverHistory())
+    out, _ = ode_step(v, x, s1, s2, solver="dpm2m", history=history)
+    lam = [math.log((1 - s) / s) for s in (s0, s1, s2)]
+    h, h_prev = lam[2] - lam[1], lam[1] - lam[0]
+    r = h_prev / h
+    d0, d_prev = x.double() - s1 * v.double(), x_prev.double() - s0 * v_prev.double()
+    data = (1 + 1 / (2 * r)) * d0 - 1 / (2 * r) * d_prev
+    expected = (s2 / s1) * x.double() - (1 - s2) * (math.exp(-h) - 1) * data
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_dpm2m_with_half_the_steps_beats_euler_with_all_of_them_on_an_exact_flow():
+    # Gaussian data has an exact velocity and flow map; steps uniform in log-SNR from sigma 0.95 to 0.05.
+    mu, c, s_first, s_last = 0.5, 0.8, 0.95, 0.05
+    velocity = _gaussian_data_velocity(mu, c)
+    z = torch.randn(4, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    at = lambda s: (1 - s) * mu + math.sqrt((1 - s) ** 2 * c**2 + s**2) * z  # noqa: E731
+    lam_first, lam_last = math.log((1 - s_first) / s_first), math.log((1 - s_last) / s_last)
+
+    def error(n: int, solver: str) -> float:
+        sigmas = [1 / (1 + math.exp(lam_first + (lam_last - lam_first) * i / n)) for i in range(n + 1)]
+        return float((_solve(velocity, at(s_first), sigmas, solver) - at(s_last)).abs().max())
+
+    euler = {n: error(n, "euler") for n in (8, 16, 32, 64, 128)}
+    dpm = {n: error(n, "dpm2m") for n in (8, 16, 32, 64)}
+    assert all(dpm[n] < euler[2 * n] / 2 for n in dpm)
+    # Second order: doubling the steps divides the error by about 4 (Euler's by about 2).
+    assert dpm[32] / dpm[64] > 3.0 and euler[32] / euler[64] < 2.5
+
+
+def test_unknown_ode_solver_raises_naming_it():
+    v, x = _inputs()
+    with pytest.raises(ValueError, match="ode_solver"):
+        ode_step(v, x, 0.9, 0.8, solver="heun", history=SolverHistory())
