@@ -226,6 +226,7 @@ class FlowGRPOTrainer:
         row = metrics_row(step, batch, stats, inner_epochs=cfg.inner_epochs, sample_s=delivered.sampling_seconds,
                           train_s=train_s, weight_sync_s=weight_sync_s, step_s=step_s)
         row.update(self.update.mismatch.end())
+        row.update(stats.checks)
         row.update(staleness=staleness, dropped_batches=self.dropped_batches,
                    trainer_idle_s=delivered.trainer_idle_seconds, rollout_wait_s=delivered.rollout_wait_seconds)
         if self.parallel.world_size > 1:  # every rank's own first-replay check

@@ -141,7 +141,8 @@ def metrics_row(step: int, batch: TrajectoryBatch, stats: UpdateStats, *, inner_
                 train_s: float, weight_sync_s: float, step_s: float) -> dict[str, float]:
     """One step's metrics.csv row: the rollout's rewards and advantages, the update's ratios and losses,
     and where the time went."""
-    ratios = torch.cat(stats.ratios)
+    # DiffusionNFT has no ratio: its ratio columns are NaN.
+    ratios = torch.cat(stats.ratios) if stats.ratios else torch.full((1,), math.nan)
     total = batch.rewards[TOTAL_KEY]
     advantages = batch.advantages.float()
     n = len(batch)
@@ -156,9 +157,9 @@ def metrics_row(step: int, batch: TrajectoryBatch, stats: UpdateStats, *, inner_
         "ratio_min": float(ratios.min()),
         "ratio_max": float(ratios.max()),
         "onpolicy_ratio_dev": stats.onpolicy_ratio_dev,
-        "clip_frac": statistics.mean(stats.clip_fracs),
-        "approx_kl": statistics.mean(stats.approx_kls),
-        "kl": statistics.mean(stats.kls),
+        "clip_frac": _mean(stats.clip_fracs),
+        "approx_kl": _mean(stats.approx_kls),
+        "kl": _mean(stats.kls),
         "loss": statistics.mean(stats.losses),
         "grad_norm": statistics.mean(stats.grad_norms),
         "tied_group_fraction": float(batch.metrics.get("tied_group_fraction", math.nan)),
@@ -172,6 +173,10 @@ def metrics_row(step: int, batch: TrajectoryBatch, stats: UpdateStats, *, inner_
         if key != TOTAL_KEY:
             row[f"reward_{key}_mean"] = float(value.mean())
     return row
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.mean(values) if values else math.nan
 
 
 def run_summary(rows: list[dict[str, float]], *, evaluation: str, final_version: int, out: Path) -> str:

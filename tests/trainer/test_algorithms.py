@@ -9,6 +9,9 @@ from serve_app.flowgrpo.sampler import replay_step, sample_group
 from serve_app.policies import load_policy
 from serve_app.trainer.algorithms import mix_grpo_window_start, rollout_sampling
 from serve_app.trainer.config import load_trainer_config
+from serve_app.trainer.loss import nft_optimality
+from serve_app.trainer.nft import (FinalLatentMismatchError, ForwardDraws, check_final_latents, conditional_velocity,
+                                   final_latents)
 from serve_app.trainer.parallel import DataParallel
 from serve_app.trainer.update import PolicyUpdate
 
@@ -32,15 +35,25 @@ def test_mix_grpo_slides_its_window_by_the_stride_every_interval_and_stops_at_ma
         assert sampling.model_dump(exclude={"sde_window_range"}) == cfg.sampling.model_dump(exclude={"sde_window_range"})
 
 
-def test_flow_grpo_sends_the_configured_sampling_unchanged():
-    cfg = config()
-    assert all(rollout_sampling(cfg.trainer, cfg.sampling, i) == cfg.sampling for i in range(5))
+def test_flow_grpo_and_dance_grpo_send_the_configured_sampling_unchanged():
+    for cfg in (config(), config("trainer.algorithm=dance_grpo", "sampling.sde_type=dance", "sampling.noise_level=0.3")):
+        assert all(rollout_sampling(cfg.trainer, cfg.sampling, i) == cfg.sampling for i in range(5))
+
+
+def test_diffusion_nft_asks_for_ode_rollouts_recorded_as_their_final_latents():
+    cfg = config("trainer.algorithm=diffusion_nft")
+    sampling = rollout_sampling(cfg.trainer, cfg.sampling, 3)
+    assert sampling.noise_level == 0.0 and sampling.record == "final"
+    assert sampling.model_dump(exclude={"noise_level", "record"}) == cfg.sampling.model_dump(exclude={"noise_level", "record"})
 
 
 @pytest.mark.parametrize("extra, named", [
     (["trainer.algorithm=mix_grpo", "sampling.sde_window_size=null"], "sampling.sde_window_size"),
     (["trainer.algorithm=mix_grpo", "trainer.mix_grpo.max_start=4"], "trainer.mix_grpo.max_start"),
-    (["trainer.algorithm=dance_grpo"], "trainer.algorithm"),
+    (["trainer.algorithm=dance_grpo"], "sampling.sde_type"),
+    (["trainer.algorithm=diffusion_nft", "sampling.group_noise=shared"], "sampling.group_noise"),
+    (["trainer.algorithm=diffusion_nft", "trainer.grpo_guard=true"], "trainer.grpo_guard"),
+    (["trainer.algorithm=diffusion_nft", "trainer.diffusion_nft.t_range=[0.5,0.2]"], "t_range"),
     (["trainer.grpo_guard=true", "sampling.sde_type=cps", "sampling.noise_level=0.5"], "trainer.grpo_guard"),
     (["trainer.algorithm=ppo"], "trainer.algorithm"),
 ])
@@ -105,3 +118,71 @@ def test_grpo_guard_raises_its_normalised_surrogate_and_is_another_update(tiny_q
     assert float(objective) > 0.5 * float(spread) > 0
     plain, _, _ = one_update(tiny_qwen_dir, batch)
     assert (plain - log_probs).abs().max() > 1e-6  # the normalisation changed the step
+
+
+def test_dance_grpo_update_raises_its_surrogate(tiny_qwen_dir):
+    cfg = config("sampling.sde_type=dance", "sampling.noise_level=0.3", "trainer.algorithm=dance_grpo")
+    policy = load_policy(tiny_qwen_dir, family="qwen_image")
+    tokens = policy.text_processor().tokenize(["a photo of a cat", "a red house"])
+    trajectory = sample_group(policy, tokens, 4, cfg.sampling.model_copy(update={"seed": 11}), policy_version=0)
+    scores = torch.randn(len(trajectory), generator=torch.Generator().manual_seed(3)).reshape(2, 4)
+    advantages = ((scores - scores.mean(1, keepdim=True)) / scores.std(1, keepdim=True)).reshape(-1)
+    dance = ((trajectory, advantages, None))
+    log_probs, _, _ = one_update(tiny_qwen_dir, dance, "sampling.sde_type=dance", "sampling.noise_level=0.3",
+                                 "trainer.algorithm=dance_grpo")
+    ratio = torch.exp(log_probs - trajectory.log_probs)
+    gain = float((advantages[:, None] * ratio).mean())
+    spread = float((advantages[:, None] * (ratio - 1)).abs().mean())
+    assert gain > 0.5 * spread > 0
+
+
+NFT = ["trainer.algorithm=diffusion_nft", "trainer.diffusion_nft.adaptive_weighting=false"]
+
+
+@pytest.fixture(scope="module")
+def nft_batch(tiny_qwen_dir):
+    """ODE rollouts recorded as their final latents, and zero-mean advantages per group."""
+    cfg = config(*NFT)
+    policy = load_policy(tiny_qwen_dir, family="qwen_image")
+    tokens = policy.text_processor().tokenize(["a photo of a cat", "a red house"])
+    sampling = rollout_sampling(cfg.trainer, cfg.sampling, 0).model_copy(update={"seed": 11})
+    trajectory = sample_group(policy, tokens, 4, sampling, policy_version=0)
+    scores = torch.randn(len(trajectory), generator=torch.Generator().manual_seed(3)).reshape(2, 4)
+    advantages = ((scores - scores.mean(1, keepdim=True)) / scores.std(1, keepdim=True)).reshape(-1)
+    return trajectory, advantages
+
+
+def test_diffusion_nft_update_lowers_the_error_of_the_good_samples_and_raises_the_bad_ones(tiny_qwen_dir, nft_batch):
+    # At v_theta = v_old the gradient of nft_loss is that of mean_b (2 r_b - 1) ||v_theta - v_target||^2 (times
+    # 2 beta): one descent step lowers the flow-matching error of samples with r > 1/2 against that of r < 1/2.
+    trajectory, advantages = nft_batch
+    cfg = config("trainer.lr=3e-3", "trainer.inner_epochs=1", "trainer.micro_batch_size=8", *NFT)
+    update = PolicyUpdate(cfg.trainer, load_policy(tiny_qwen_dir, family="qwen_image"), DataParallel())
+    x0 = final_latents(trajectory)
+    probe = ForwardDraws.of(x0, 4, (0.05, 0.95), torch.Generator().manual_seed(99))
+    rows = torch.arange(len(trajectory))
+
+    def errors() -> torch.Tensor:
+        with torch.no_grad():
+            v = torch.stack([conditional_velocity(update.policy, trajectory, probe.x_t[:, d], probe.t[:, d], rows)
+                             for d in range(4)], 1)
+        return (v - probe.v_target).flatten(2).pow(2).mean(2).mean(1)
+
+    before = errors()
+    stats = update.run(trajectory, advantages, check_onpolicy=True, seed=0, step=0)
+    assert len(stats.grad_norms) == 1 and stats.checks["nft_final_latent_error"] < 1e-5
+    change = errors() - before
+    weight = 2 * nft_optimality(advantages, 1.0) - 1
+    gain = float((weight * change).mean())
+    assert gain < -0.5 * float((weight * change).abs().mean()) < 0
+
+
+def test_the_final_latent_check_catches_weights_that_did_not_sample_the_rollouts(tiny_qwen_dir, nft_batch):
+    trajectory, _ = nft_batch
+    policy = load_policy(tiny_qwen_dir, family="qwen_image")
+    rows = torch.tensor([1, 6])
+    assert check_final_latents(policy, trajectory, rows, bound=1e-4) < 1e-5
+    with torch.no_grad():
+        next(policy.transformer.parameters()).add_(1e-2)
+    with pytest.raises(FinalLatentMismatchError, match="policy version 0"):
+        check_final_latents(policy, trajectory, rows, bound=1e-4)

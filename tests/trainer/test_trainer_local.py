@@ -359,3 +359,37 @@ def test_mix_grpo_trains_through_the_app_on_the_windows_its_schedule_places(loca
     assert windows == [[0], [1], [1]]
     assert all(row["onpolicy_ratio_dev"] < 1e-6 for row in rows)
     assert trainer.version == 3
+
+
+def test_dance_grpo_trains_through_the_app_on_its_sde_step(local_app, tmp_path):
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", "trainer.algorithm=dance_grpo",
+                           "sampling.sde_type=dance", "sampling.noise_level=0.3")
+    rows = trainer.train(2)
+    assert all(row["onpolicy_ratio_dev"] < 1e-6 for row in rows)
+    assert rows[1]["mismatch_abs_log_ratio_max"] < 1e-5 and trainer.version == 2
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_diffusion_nft_trains_through_the_app_on_final_latents_it_checks(local_app, tmp_path, staleness):
+    """trainer.algorithm diffusion_nft: the app returns ODE final latents alone; every step regenerates two of
+    them with the trainer's copy of the version that sampled them (the batch in flight: the version before)."""
+    client, _ = local_app
+    received = []
+
+    class Recording:
+        def rollout(self, *args, **kwargs):
+            batch = client.rollout(*args, **kwargs)
+            received.append((batch.trajectory.latents.shape[1], batch.trajectory.log_probs.shape[1], batch.policy_version))
+            return batch
+
+    trainer = make_trainer(local_app, tmp_path, "trainer.lr=1e-2", "trainer.algorithm=diffusion_nft",
+                           f"trainer.max_staleness={staleness}")
+    trainer.client = Recording()
+    before = {k: v.clone() for k, v in trainer.model.publishable_state().items()}
+    rows = trainer.train(3)
+    assert all(latents == 1 and log_probs == 0 for latents, log_probs, _ in received)
+    assert all(row["nft_final_latent_error"] < 1e-5 for row in rows)
+    assert [row["staleness"] for row in rows][1:] == [staleness] * 2
+    assert all(math.isnan(row["ratio_mean"]) and math.isfinite(row["loss"]) for row in rows)
+    after = trainer.model.publishable_state()
+    assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-4 and trainer.version == 3
