@@ -37,13 +37,15 @@ test-fast: venv
 # video model (direction accuracy in eval.csv), `make demo WORLD=edit` trains the shipped editing model
 # (held-out edit accuracy in eval.csv), `make demo WORLD=brightness STEPS=60` runs the random tiny model on
 # the brightness reward, `make demo TRANSPORT=http` trains over the app's HTTP API alone (no Ray in the
-# trainer's process; docs/http.md).
+# trainer's process; docs/http.md), `make demo ALGO=diffusion_nft` trains with another algorithm of
+# configs/algorithm/ (mix_grpo, dance_grpo, diffusion_nft, grpo_guard; docs/training.md).
 STEPS ?=
 OUT ?= outputs/demo
 WORLD ?= shapes
 TRANSPORT ?= handle
+ALGO ?= flow_grpo
 demo: venv
-	WORLD=$(WORLD) STEPS=$(STEPS) OUT=$(OUT) TRANSPORT=$(TRANSPORT) PY=$(PY) scripts/demo.sh
+	WORLD=$(WORLD) STEPS=$(STEPS) OUT=$(OUT) TRANSPORT=$(TRANSPORT) ALGO=$(ALGO) PY=$(PY) scripts/demo.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

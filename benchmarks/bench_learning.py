@@ -1,4 +1,4 @@
-"""How fast FlowGRPO raises strict accuracy in the shapes world, per sampler setting.
+"""How fast each algorithm and sampler setting raises strict accuracy in the shapes world.
 
 Each variant trains a fresh LoRA on the shipped shapes model from configs/trainer/shapes.yaml,
 against the app built by build_app in Serve's local testing mode (the deployed graph's code -
@@ -41,6 +41,11 @@ VARIANTS: dict[str, list[str]] = {
     "full_sde": ["sampling.sde_window_size=null"],
     # Flow-GRPO-Fast without the throughput levers: independent noise, strictly on-policy.
     "fast_plain": ["sampling.group_noise=independent", "trainer.max_staleness=0"],
+    # The other algorithms by their presets (configs/algorithm/), on the demo's world and clock.
+    "mix_grpo": ["algorithm=mix_grpo"],
+    "dance_grpo": ["algorithm=dance_grpo"],
+    "diffusion_nft": ["algorithm=diffusion_nft"],
+    "grpo_guard": ["algorithm=grpo_guard"],
 }
 NEVER = 10**9  # trainer.eval_every: the benchmark evaluates on its own clock, not every N steps
 

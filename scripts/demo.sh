@@ -2,7 +2,8 @@
 # make demo: a one-node Ray cluster on 127.0.0.1, the rollout app deployed from serve_config.yaml,
 # the FlowGRPO trainer against it by DeploymentHandle (TRANSPORT=http: over the app's HTTP API alone, with
 # a bearer token made for the run), and the cluster stopped again on exit, Ctrl-C or error.
-#   WORLD=shapes STEPS=100 OUT=outputs/demo TRANSPORT=handle scripts/demo.sh [trainer overrides...]
+#   WORLD=shapes STEPS=100 OUT=outputs/demo TRANSPORT=handle ALGO=flow_grpo scripts/demo.sh [trainer overrides...]
+# ALGO: a file of configs/algorithm/ (flow_grpo, mix_grpo, dance_grpo, diffusion_nft, grpo_guard).
 # WORLD=shapes (default): the pretrained shapes-world model learns to draw what the prompt asks
 # (held-out strict accuracy in eval.csv); WORLD=video: the pretrained moving-shapes Wan model learns
 # to move its shape the way the prompt asks (direction accuracy in eval.csv); WORLD=edit: the pretrained
@@ -16,6 +17,12 @@ BIN=$(dirname "$PY")
 STEPS=${STEPS:-}  # empty: the trainer config's trainer.steps
 WORLD=${WORLD:-shapes}
 TRANSPORT=${TRANSPORT:-handle}
+ALGO=${ALGO:-flow_grpo}
+if [ ! -f "configs/algorithm/$ALGO.yaml" ]; then
+  echo "demo: unknown ALGO=$ALGO ($(cd configs/algorithm && ls *.yaml | sed 's/\.yaml$//' | paste -sd, -))"; exit 2
+fi
+# The algorithm's settings (configs/algorithm/$ALGO.yaml) come before the caller's overrides, which win.
+set -- "algorithm=$ALGO" "$@"
 case "$TRANSPORT" in handle|http) ;; *) echo "demo: unknown TRANSPORT=$TRANSPORT (handle or http)"; exit 2 ;; esac
 case "$WORLD" in
   shapes) APP_CONFIG=shapes_rollout; TRAINER_CONFIG=trainer/shapes ;;
@@ -55,7 +62,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-echo "demo: $WORLD world (app config $APP_CONFIG, trainer config $TRAINER_CONFIG)"
+echo "demo: $WORLD world (app config $APP_CONFIG, trainer config $TRAINER_CONFIG, algorithm $ALGO)"
 # Validate the trainer config and build (once) the model it names before starting anything.
 "$PY" - "$TRAINER_CONFIG" "$@" <<'PYEOF'
 import sys

@@ -110,8 +110,13 @@ def test_a_config_file_states_only_what_differs_from_the_schema(name, path):
     schema = TrainerRunConfig if name.startswith("trainer/") else RolloutConfig
     data = yaml.safe_load(path.read_text()) or {}
     earlier: list[tuple[Path, str]] = []
-    if group is None:
-        root = default_config_dir()
+    root = default_config_dir()
+    if name.startswith("algorithm/"):
+        # A preset merges after the trainer config that selects it: what any of them set before it counts.
+        for trainer in sorted((root / "trainer").glob("*.yaml")):
+            _, sources = _compose(f"trainer/{trainer.stem}", root, root, [f"algorithm={path.stem}"], name)
+            earlier += sources[: [s for s, _ in sources].index(path)]
+    elif group is None:
         _, sources = _compose(name, root, root, [], name)
         earlier = sources[: [s for s, _ in sources].index(path)]
     restated = [(p, v) for p, v in _restated({group: data} if group else data, schema, ())
