@@ -27,6 +27,7 @@ with the same weights.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -164,7 +165,10 @@ class FlowGRPOTrainer:
             row = self.train_step()
             bar.update(1)
             if row:  # rank 0 (the others log nothing)
-                bar.set_postfix(reward=f"{row['reward_mean']:.4f}", ratio=f"{row['ratio_max']:.4f}", v=self.version)
+                # DiffusionNFT has no ratio: its loss instead.
+                shown = ({"loss": f"{row['loss']:.4f}"} if math.isnan(row["ratio_max"])
+                         else {"ratio": f"{row['ratio_max']:.4f}"})
+                bar.set_postfix(reward=f"{row['reward_mean']:.4f}", **shown, v=self.version)
             last = self.step == total
             if self.cfg.checkpoint_every and (self.step % self.cfg.checkpoint_every == 0) or last:
                 self.save_checkpoint()

@@ -110,6 +110,15 @@ def test_gpu_rollout_tiny(flowgrpo_home):
     assert compiled["eager_replay_of_compiled_rollout"]["max_abs_log_ratio"] <= REPLAY_TOLERANCE
 
 
+def test_bench_ode_solver(flowgrpo_home):
+    report = run_script("bench_ode_solver.py", "--steps", "4", "--seeds", "1", "--prompts", "2", "--reference-steps", "8")
+    assert_finite(report)
+    rows = report["by_steps"]["4"]
+    assert set(rows) == {"euler_4", "euler_2", "dpm2m_2"}
+    assert rows["euler_4"]["distance_to_euler_full"]["max"] == 0.0
+    assert rows["dpm2m_2"]["model_calls_per_sample"] == rows["euler_2"]["model_calls_per_sample"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_bench_dataplane(flowgrpo_home):

@@ -184,3 +184,33 @@ def test_versions_are_pinned_and_stamped(conformance_policies, engine_name, chec
         assert isinstance(result, PolicyVersionError) and "5" in str(result)
     finally:
         engine.prefetch(0)  # the session's policy goes back to the base weights
+
+
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_dance_steps_replay_to_ratio_one(conformance_policies, engine_name, checkpoint):
+    policy = conformance_policies(checkpoint)
+    dance = checkpoint_sampling(checkpoint, SAMPLING).model_copy(update={"sde_type": "dance", "noise_level": 0.5})
+    fused, _ = ENGINES[engine_name](policy).generate(_chunks(_planner(policy, dance), ["a cat", "a dog"], seed=3))
+    for trajectory in fused:
+        verdict = replay_verdict(policy, trajectory)
+        assert verdict.ok, verdict.message
+        assert verdict.summary.count == 2 * 2 and verdict.summary.max <= REPLAY_TOLERANCE
+
+
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_final_latents_alone_are_the_images_and_depend_on_the_seed_only(conformance_policies, engine_name, checkpoint):
+    # DiffusionNFT's rollouts: the ODE by DPM-Solver++(2M) (5 steps: two of them second order), final latents only.
+    policy = conformance_policies(checkpoint)
+    final = checkpoint_sampling(checkpoint, SAMPLING).model_copy(update={
+        "num_steps": 5, "noise_level": 0.0, "ode_solver": "dpm2m", "record": "final", "sde_window_size": None})
+    engine = ENGINES[engine_name](policy)
+    planner = _planner(policy, final)
+    cat, dog = _chunks(planner, ["a cat", "a dog"], seed=5)
+    alone = _one(engine, dog)
+    fused, _ = engine.generate([cat, dog])
+    assert alone.latents.shape[:2] == (len(dog.seeds), 1) and alone.log_probs.shape == (len(dog.seeds), 0)
+    assert alone.step_indices.tolist() == []
+    torch.testing.assert_close(fused[1].latents, alone.latents, atol=1e-5, rtol=0)
+    params = dog.sampling
+    decoded = to_uint8(policy.decode(alone.latents[:, 0].to(policy.device), height=params.height, width=params.width))
+    assert torch.equal(decoded.cpu(), alone.images)
