@@ -143,12 +143,13 @@ def read_counts(folder: Path) -> dict[int, dict[str, int]]:
 
 
 def roles(app: str) -> dict[int, str]:
-    """pid -> role of the app's processes (Ray titles each actor process ray::ServeReplica:<app>:<deployment>)."""
+    """pid -> role of the app's processes (Ray titles each actor process ray::ServeReplica:<app>:<deployment>,
+    with .<method> appended while a method runs)."""
     import psutil
 
     found = {}
     for process in psutil.process_iter(["pid", "cmdline"]):
-        title = (process.info["cmdline"] or [""])[0].strip()
+        title = (process.info["cmdline"] or [""])[0].strip().split(".", 1)[0]
         for role, deployment in (("ingress", "TokenizerIngress"), ("aggregator", "TrajectoryAggregator"),
                                  ("replicas", "DiffusionReplica")):
             if title == f"ray::ServeReplica:{app}:{deployment}":

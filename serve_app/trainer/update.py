@@ -181,6 +181,7 @@ class PolicyUpdate:
         optimality = nft_optimality(advantages, nft.advantage_clip)
         for expert in self.model.experts.values():
             expert.train()
+        optimizer_steps = 0
         for epoch in range(cfg.inner_epochs):
             drawn = draws[epoch]
             micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
@@ -198,6 +199,9 @@ class PolicyUpdate:
                     stats.losses.append(float(loss.detach()))
                 if micro.steps:
                     self._optimizer_step(stats, step)
+                    optimizer_steps += 1
+                    if optimizer_steps == 1:
+                        crash_point("update", step)
         for expert in self.model.experts.values():
             expert.eval()
         return stats

@@ -79,11 +79,13 @@ def test_a_bad_request_beside_good_ones_fails_alone(cluster, bad, status, field)
 
 
 def _replica_pids(app: str) -> list[int]:
-    """Ray titles each actor process `ray::<class>`; the app name is unique to this module."""
+    """Ray titles each actor process `ray::<class>`, and `ray::<class>.<method>` while a method runs (a
+    health check can be running when we look); the app name is unique to this module."""
     import psutil
 
     title = f"ray::ServeReplica:{app}:DiffusionReplica"
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].strip() == title]
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [""])[0].strip().split(".", 1)[0] == title]
 
 
 def _kill_one_replica_during(url: str, app: str, seeds: range) -> list[httpx.Response]:
