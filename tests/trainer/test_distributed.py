@@ -156,7 +156,7 @@ RESTART_APP = [*SHARED, "app_name=flowgrpo-dp-restart", "replica.num_cpus=0.1", 
                "replica.max_batch_size=1", "replica.autoscaling.min_replicas=1", "replica.autoscaling.max_replicas=1",
                "ingress.num_cpus=0.1", "aggregator.num_cpus=0.1"]
 RESTART_TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.micro_batch_size=4",
-                   "trainer.inner_epochs=1", "trainer.lr=1e-2", "trainer.steps=3", "trainer.eval_every=0",
+                   "trainer.inner_epochs=1", "trainer.lr=1e-2", "trainer.steps=2", "trainer.eval_every=0",
                    "trainer.image_every=0", "trainer.checkpoint_every=1", "trainer.max_staleness=1",
                    "trainer.torch_threads=1", "trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5"]
 
@@ -164,7 +164,7 @@ RESTART_TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "traine
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(tmp_path, flowgrpo_home, monkeypatch):
-    """`--workers 2` against a deployed app: 3 steps straight, then 3 steps with rank 1 SIGKILLed inside step 1's
+    """`--workers 2` against a deployed app: 2 steps straight, then 2 steps with rank 1 SIGKILLed inside step 1's
     update. Ray Train restarts both workers (trainer.distributed.max_failures) from the checkpoint rank 0 reported
     after step 0, and the run ends with the straight run's weights, bitwise."""
     import csv
