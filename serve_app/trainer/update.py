@@ -136,14 +136,13 @@ class PolicyUpdate:
         # anything changes, with the weights that sampled the batch.
         self._behaviour_means = self._behaviour_means_of(trajectory, current=check_onpolicy) if cfg.grpo_guard else None
         generator = torch.Generator().manual_seed(seed)
-        optimizer_steps = 0
         for expert in self.model.experts.values():
             expert.train()
         for _epoch in range(cfg.inner_epochs):
             micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in accumulation(micro_batches, cfg.grad_accum, window=window, ranks=self.parallel.world_size):
-                first_replay = check_onpolicy and optimizer_steps == 0
+                first_replay = check_onpolicy and not stats.grad_norms  # before the first optimizer step
                 for k in range(window):
                     loss = self._micro_loss(trajectory, advantages, k, micro.rows, stats, step, on_policy=first_replay)
                     (loss * micro.scale).backward()
@@ -151,9 +150,6 @@ class PolicyUpdate:
                     if first_replay:
                         self.check_onpolicy(stats, step, trajectory.policy_version)
                     self._optimizer_step(stats, step)
-                    optimizer_steps += 1
-                    if optimizer_steps == 1:
-                        crash_point("update", step)
         for expert in self.model.experts.values():
             expert.eval()
         return stats
@@ -181,7 +177,6 @@ class PolicyUpdate:
         optimality = nft_optimality(advantages, nft.advantage_clip)
         for expert in self.model.experts.values():
             expert.train()
-        optimizer_steps = 0
         for epoch in range(cfg.inner_epochs):
             drawn = draws[epoch]
             micro_batches = torch.randperm(batch, generator=generator).split(cfg.micro_batch_size)
@@ -199,9 +194,6 @@ class PolicyUpdate:
                     stats.losses.append(float(loss.detach()))
                 if micro.steps:
                     self._optimizer_step(stats, step)
-                    optimizer_steps += 1
-                    if optimizer_steps == 1:
-                        crash_point("update", step)
         for expert in self.model.experts.values():
             expert.eval()
         return stats
@@ -297,6 +289,8 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.step(self.model.parameters())
+        if len(stats.grad_norms) == 1:  # the update's first optimizer step is done
+            crash_point("update", step)
 
     def _diverged(self, what: str, step: int) -> TrainingDivergedError:
         last = self.history[-1] if self.history else None
