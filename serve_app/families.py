@@ -72,6 +72,12 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
                                   (("size", "tiny-a14b"),), note="Wan2.2-T2V-A14B's two experts"),
                EmbeddedCheckpoint("tiny-wan22-ti2v", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan22_ti2v",
                                   (("size", "tiny-ti2v"),), note="Wan2.2-TI2V-5B's per-token timesteps, 48-channel VAE"))),
+    Family("wan_i2v", ("WanImageToVideoPipeline",), "serve_app.policies.wan_i2v:WanImageToVideoPolicy", "videos", True,
+           ("transformer", "transformer_2"), checkpoints=(
+               EmbeddedCheckpoint("tiny-wan-i2v", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan_i2v",
+                                  (("size", "tiny-i2v"),), note="Wan2.1-I2V's CLIP image embeddings"),
+               EmbeddedCheckpoint("tiny-wan22-i2v", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan22_i2v",
+                                  (("size", "tiny-i2v-a14b"),), note="Wan2.2-I2V-A14B's two experts, no CLIP"))),
 )}
 
 # The config's model.family: any row's name.

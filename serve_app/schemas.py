@@ -35,6 +35,8 @@ class PromptEmbeds:
         zero-padded to the longest row in this set (image-conditioned families), else None.
     image_shapes: [P, N, 3] long, the (frames, rows, columns) of tokens each of a prompt's N input images
         takes in image_latents (a row's real tokens: the sum of their products), with image_latents.
+    image_embeds: [P, L', D''] an image encoder's states of each prompt's input image, which the transformer
+        takes beside the text (Wan2.1 image-to-video's CLIP), else None.
     """
 
     embeds: torch.Tensor
@@ -42,6 +44,7 @@ class PromptEmbeds:
     pooled: torch.Tensor | None = None
     image_latents: torch.Tensor | None = None
     image_shapes: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.image_latents is None) != (self.image_shapes is None):
@@ -71,6 +74,7 @@ class PromptEmbeds:
             None if self.pooled is None else self.pooled[index],
             image_latents,
             image_shapes,
+            None if self.image_embeds is None else self.image_embeds[index],
         )
 
     @staticmethod
@@ -78,6 +82,7 @@ class PromptEmbeds:
         """Stack several prompt sets, padding to the longest one."""
         length = max(p.embeds.shape[1] for p in parts)
         pooled = [p.pooled for p in parts]
+        image_embeds = [p.image_embeds for p in parts]
         if len({p.has_images for p in parts}) > 1:
             raise ValueError("cannot concatenate prompt embeddings with input images and without")
         image_latents = image_shapes = None
@@ -92,6 +97,7 @@ class PromptEmbeds:
             None if any(x is None for x in pooled) else torch.cat(pooled),  # type: ignore[arg-type]
             image_latents,
             image_shapes,
+            None if any(x is None for x in image_embeds) else torch.cat(image_embeds),  # type: ignore[arg-type]
         )
 
     def to(self, device: torch.device | str) -> PromptEmbeds:
@@ -100,7 +106,7 @@ class PromptEmbeds:
             return None if t is None else t.to(device)
 
         return PromptEmbeds(self.embeds.to(device), self.mask.to(device), move(self.pooled),
-                            move(self.image_latents), move(self.image_shapes))
+                            move(self.image_latents), move(self.image_shapes), move(self.image_embeds))
 
 
 def _pad_tokens(tensor: torch.Tensor, length: int) -> torch.Tensor:

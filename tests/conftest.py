@@ -46,7 +46,7 @@ def ode_sample():
     from serve_app.flowgrpo.sampler import denoise, encode_conditioning
 
     def run(policy, prompt, params, latents, generators, *, images=()):
-        resized, condition = policy.geometry.conditioning_images(images)
+        resized, condition = policy.geometry.conditioning_images(images, output_size=(params.height, params.width))
         tokens = [replace(t, images=resized, condition_images=condition) for t in policy.text_processor().tokenize([prompt])]
         conditioning = encode_conditioning(policy, tokens, torch.zeros(1, dtype=torch.long), None, params)
         assert (conditioning.negative is not None) == (params.guidance_scale > 1)

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from serve_app.config.schema import VIDEO_FAMILIES
 from serve_app.config import (
     ConfigError,
     ReplicaConfig,
@@ -187,7 +188,7 @@ def test_every_group_file_loads():
     # Each with a partner of its kind: a video model with a video reward, a video reward with a video model.
     configs = Path(__file__).resolve().parents[1] / "configs"
     for path in sorted((configs / "model").glob("*.yaml")):
-        video = yaml.safe_load(path.read_text())["family"] == "wan"
+        video = yaml.safe_load(path.read_text())["family"] in VIDEO_FAMILIES
         load_config("diffusion_rollout", [f"model={path.stem}", *(["reward=video_brightness"] if video else [])])
     for path in sorted((configs / "reward").glob("*.yaml")):
         names = [c["name"] for c in yaml.safe_load(path.read_text())["components"]]

@@ -36,6 +36,9 @@ class Section(BaseModel):
 VIDEO_FAMILIES = families_that(lambda row: row.produces == "videos")
 # Families whose requests carry input images (a request's `images`, one list per prompt).
 IMAGE_CONDITIONED_FAMILIES = families_that(lambda row: row.input_images)
+# ... of those, the ones whose input images are resized to an area of their own (a video family's first frame is
+# resized to the video's size).
+INPUT_AREA_FAMILIES = families_that(lambda row: row.input_images and row.produces == "images")
 
 
 class ModelConfig(Section):
@@ -93,9 +96,11 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_input_image_area(self) -> ModelConfig:
-        if self.input_image_area is not None and self.family not in IMAGE_CONDITIONED_FAMILIES:
-            raise ValueError(f"input_image_area is for image-conditioned families "
-                             f"({', '.join(IMAGE_CONDITIONED_FAMILIES)}); {self.family!r} takes no input images")
+        if self.input_image_area is not None and self.family not in INPUT_AREA_FAMILIES:
+            takes = ("resizes its input image to the video's size" if self.family in IMAGE_CONDITIONED_FAMILIES
+                     else "takes no input images")
+            raise ValueError(f"input_image_area is for image-conditioned image families "
+                             f"({', '.join(INPUT_AREA_FAMILIES)}); {self.family!r} {takes}")
         copies = families_that(lambda row: row.encoder_image_copy)
         if self.condition_image_area is not None and self.family not in copies:
             raise ValueError(f"condition_image_area is for {', '.join(copies)}; {self.family!r} keeps no encoder copy "

@@ -27,7 +27,7 @@ class SamplingPolicy(Protocol):
     dtype: torch.dtype
 
     def text_processor(self) -> Any: ...
-    def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds: ...
+    def encode_prompts_for(self, prompts: Sequence[PromptTokens], params: SamplingParams) -> PromptEmbeds: ...
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None: ...
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]: ...
     def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor: ...
@@ -322,9 +322,9 @@ def encode_conditioning(
         negatives = ([replace(negative, images=p.images, condition_images=p.condition_images) for p in prompts]
                      if with_images else [negative])
     return Conditioning(
-        policy.encode_prompts(prompts),
+        policy.encode_prompts_for(prompts, params),
         embed_row.to(torch.long),
-        policy.encode_prompts(negatives) if negatives else None,
+        policy.encode_prompts_for(negatives, params) if negatives else None,
     )
 
 

@@ -1,6 +1,7 @@
 """Randomly initialised miniatures of Wan text-to-video (``WanPipeline``: UMT5 text encoder,
 WanTransformer3DModel, AutoencoderKLWan), saved so that they load through the same
-``WanPipeline.from_pretrained(local_dir)`` a real checkout does. Three layouts:
+``WanPipeline.from_pretrained(local_dir)`` a real checkout does (image-to-video: ``WanImageToVideoPipeline``).
+Text-to-video layouts:
 
 * ``tiny`` (embedded as ``tiny-wan``): Wan2.1-T2V, one transformer.
 * ``tiny-a14b`` (``tiny-wan22``): Wan2.2-T2V-A14B's two experts - ``transformer`` (high noise) and
@@ -10,6 +11,15 @@ WanTransformer3DModel, AutoencoderKLWan), saved so that they load through the sa
 * ``tiny-ti2v`` (``tiny-wan22-ti2v``): Wan2.2-TI2V-5B's layout - ``expand_timesteps`` (one timestep
   per latent token) and its residual VAE of 48 latent channels that patchifies frames 2x2 before three
   spatial downsamplings (spatial factor 16), so 32x32 frames give 2x2 latents: one token per latent frame.
+
+Image-to-video layouts (``WanImageToVideoPipeline``; the transformer takes the noisy latents joined along the
+channels with the first frame's conditioning: 4 mask channels, the VAE's temporal factor, and z_dim latents):
+
+* ``tiny-i2v`` (``tiny-wan-i2v``): Wan2.1-I2V - a CLIP vision encoder (``image_encoder``, ``image_processor``)
+  whose penultimate hidden states the transformer takes beside the text (``image_dim``, ``added_kv_proj_dim``).
+  The CLIP encoder is a two-layer ViT over 28 x 28 px (two 14 px patches a side, as ViT-H/14 has 16).
+* ``tiny-i2v-a14b`` (``tiny-wan22-i2v``): Wan2.2-I2V-A14B - two experts switching at ``boundary_ratio`` 0.9,
+  the released value, and no image encoder.
 
 Stand-ins, as for tiny SD3 / Flux (no vocabulary can be fetched offline):
 
@@ -42,10 +52,11 @@ from diffusers import (
     AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
     UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
-from transformers import UMT5Config, UMT5EncoderModel
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
 from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
 from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
@@ -53,7 +64,7 @@ from .tokenizer_cache import load_tokenizer
 
 __all__ = ["WanSize", "build_tiny_wan", "wan_pipeline"]
 
-WanSize = Literal["tiny", "tiny-a14b", "tiny-ti2v", "full"]
+WanSize = Literal["tiny", "tiny-a14b", "tiny-ti2v", "tiny-i2v", "tiny-i2v-a14b", "full"]
 
 _TEMPORAL_FACTOR = 4  # Wan2.1's
 _FLOW_SHIFT = 3.0  # Wan2.1-T2V at 480p
@@ -86,6 +97,8 @@ class _Spec:
     vae_is_residual: bool = False
     vae_patch_size: int | None = None
     vae_decoder_base_dim: int | None = None
+    image_to_video: bool = False  # WanImageToVideoPipeline: the first frame's conditioning joined along the channels
+    clip_dim: int | None = None  # Wan2.1-I2V: the CLIP vision encoder's width (the transformer's image_dim)
 
 
 _SPECS: dict[str, _Spec] = {
@@ -111,6 +124,12 @@ _SPECS["tiny-ti2v"] = replace(
     expand_timesteps=True, latents_mean=tuple(0.02 * (i % 7) - 0.06 for i in range(48)),
     latents_std=tuple(0.8 + 0.05 * (i % 9) for i in range(48)),
 )
+# Wan2.1-I2V: Wan2.1's VAE and transformer, with the CLIP image branch.
+_SPECS["tiny-i2v"] = replace(_SPECS["tiny"], image_to_video=True, clip_dim=16)
+# Wan2.2-I2V-A14B: two experts at the released boundary, image latents only.
+_SPECS["tiny-i2v-a14b"] = replace(_SPECS["tiny"], image_to_video=True, boundary_ratio=0.9)
+
+_CLIP_SIDE = 28  # the tiny CLIP encoder's input size in px (ViT-H/14 takes 224)
 
 
 def _text_encoder(spec: _Spec) -> UMT5EncoderModel:
@@ -131,12 +150,29 @@ def _text_encoder(spec: _Spec) -> UMT5EncoderModel:
 
 
 def _transformer(spec: _Spec) -> WanTransformer3DModel:
+    # Image-to-video: noisy latents + the temporal factor's mask channels + the first frame's latents.
+    in_channels = 2 * spec.z_dim + _TEMPORAL_FACTOR if spec.image_to_video else spec.z_dim
+    image = ({} if spec.clip_dim is None
+             else {"image_dim": spec.clip_dim, "added_kv_proj_dim": spec.heads * spec.head_dim})
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=spec.head_dim, in_channels=spec.z_dim,
+        patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=spec.head_dim, in_channels=in_channels,
         out_channels=spec.z_dim, text_dim=spec.text_dim, freq_dim=spec.freq_dim, ffn_dim=spec.ffn_dim,
         num_layers=spec.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=spec.rope_max_seq_len,
+        rope_max_seq_len=spec.rope_max_seq_len, **image,
     )
+
+
+def _image_encoder(spec: _Spec) -> CLIPVisionModel:
+    assert spec.clip_dim is not None
+    config = CLIPVisionConfig(hidden_size=spec.clip_dim, intermediate_size=2 * spec.clip_dim, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=_CLIP_SIDE, patch_size=_CLIP_SIDE // 2)
+    return CLIPVisionModel(config).eval()
+
+
+def _image_processor() -> CLIPImageProcessor:
+    """CLIP's preprocessing (shortest side to the input size, bicubic; centre crop; CLIP's mean and std) at the
+    tiny encoder's 28 px."""
+    return CLIPImageProcessor(size={"shortest_edge": _CLIP_SIDE}, crop_size={"height": _CLIP_SIDE, "width": _CLIP_SIDE})
 
 
 def _vae(spec: _Spec) -> AutoencoderKLWan:
@@ -167,8 +203,9 @@ def _scheduler(spec: _Spec) -> FlowMatchEulerDiscreteScheduler | UniPCMultistepS
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=_FLOW_SHIFT)
 
 
-def wan_pipeline(size: WanSize, *, tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> WanPipeline:
-    """A random-weight ``WanPipeline`` of `size` in `dtype`, in memory, on the current default device;
+def wan_pipeline(size: WanSize, *, tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.float32
+                 ) -> WanPipeline | WanImageToVideoPipeline:
+    """A random-weight ``WanPipeline`` (image-to-video sizes: ``WanImageToVideoPipeline``) of `size` in `dtype`, in memory, on the current default device;
     bit-reproducible for a given `seed` (:func:`seeded_components`). `tokenizer`'s model_max_length is
     set to the size's text length."""
     if size not in _SPECS:
@@ -178,15 +215,22 @@ def wan_pipeline(size: WanSize, *, tokenizer: Any, seed: int = 0, dtype: torch.d
     makers = [("transformer", _transformer, seed), ("vae", _vae, seed), ("text_encoder", _text_encoder, seed)]
     if spec.boundary_ratio is not None:  # the low-noise expert: same architecture, weights of its own
         makers.append(("transformer_2", _transformer, seed + 1))
+    if spec.clip_dim is not None:
+        makers.append(("image_encoder", _image_encoder, seed + 2))
     components = seeded_components([(name, lambda make=make: make(spec), s) for name, make, s in makers], dtype)
     with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
         scheduler = _scheduler(spec)
+    if spec.image_to_video:
+        processor = _image_processor() if spec.clip_dim is not None else None
+        return WanImageToVideoPipeline(tokenizer=tokenizer, scheduler=scheduler, image_processor=processor,
+                                       boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.expand_timesteps,
+                                       **components)
     return WanPipeline(tokenizer=tokenizer, scheduler=scheduler, boundary_ratio=spec.boundary_ratio,
                        expand_timesteps=spec.expand_timesteps, **components)
 
 
 def build_tiny_wan(out_dir: Path, *, size: WanSize = "tiny", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
-    """Builds a tiny random-weight ``WanPipeline`` (`size`: one of the module docstring's layouts) on the
+    """Builds a tiny random-weight ``WanPipeline`` / ``WanImageToVideoPipeline`` (`size`: one of the module docstring's layouts) on the
     CPU and saves it (float32 safetensors), bit-reproducibly (:func:`wan_pipeline`). ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
     with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:

@@ -17,7 +17,7 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -95,6 +95,10 @@ class ImageGeometry:
     # Pixels of the vision-language encoder's own copy of each input image, resized from the image as sent by
     # the area rule (Qwen-Image-Edit-Plus: 384 x 384, beside 1024 x 1024 for the VAE); 0: no separate copy.
     condition_image_area: int = 0
+    # How an input image joins a sample: as latent tokens of its own beside the sample's (editing), or along the
+    # channels of the sample's first frame, resized to the sample's height x width (image-to-video).
+    input_image_joins: Literal["tokens", "channels"] = "tokens"
+    condition_image_as_sent: bool = False  # an image encoder gets each input image as sent (Wan2.1-I2V's CLIP)
     experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
 
     def check_guidance(self, guidance_scale_2: float | None) -> None:
@@ -225,18 +229,30 @@ class ImageGeometry:
         height, width = self.condition_image_size(int(image.shape[-2]), int(image.shape[-1]), field)
         return resize_image(image, height, width)
 
-    def conditioning_images(self, images: Sequence[torch.Tensor], fields: Sequence[str] | None = None
-                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A prompt's input images as sent -> (each at :meth:`input_image_size`, each encoder copy at
-        `condition_image_area`; no copies for a family without them). `fields` name the images in errors."""
+    def conditioning_images(self, images: Sequence[torch.Tensor], fields: Sequence[str] | None = None, *,
+                            output_size: tuple[int, int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A prompt's input images as sent -> (each at :meth:`input_image_size`, or, for a family whose images join
+        the first frame's channels, at `output_size` (the sample's (height, width), Lanczos, as the image-to-video
+        pipeline resizes); each encoder copy at `condition_image_area`, or as sent; no copies for a family without
+        them). `fields` name the images in errors."""
         fields = list(fields) if fields is not None else ["images"] * len(images)
-        resized = [self.resize_input_image(image, field) for image, field in zip(images, fields)]
+        if self.input_image_joins == "channels":
+            if output_size is None:
+                raise ValueError(f"{self.family}'s input images are resized to the sample's size: give output_size")
+            resized = [resize_image(image, *output_size) for image in images]
+        else:
+            resized = [self.resize_input_image(image, field) for image, field in zip(images, fields)]
+        if self.condition_image_as_sent:
+            return resized, [image.clone() for image in images]
         if not self.condition_image_area:
             return resized, []
         return resized, [self.resize_condition_image(image, field) for image, field in zip(images, fields)]
 
     def input_tokens(self, height: int, width: int) -> int:
-        """Latent tokens an input image already at its conditioning size adds to every forward."""
+        """Latent tokens an input image already at its conditioning size adds to every forward (none when it
+        joins the first frame's channels)."""
+        if self.input_image_joins == "channels":
+            return 0
         return (height // self.spatial_multiple) * (width // self.spatial_multiple)
 
     @property
@@ -443,6 +459,11 @@ class DiffusionPolicy(abc.ABC):
     @abc.abstractmethod
     def encode_prompts(self, prompts: Sequence[PromptTokens]) -> PromptEmbeds:
         """Run the text encoder(s) once per prompt."""
+
+    def encode_prompts_for(self, prompts: Sequence[PromptTokens], params: SamplingParams) -> PromptEmbeds:
+        """The conditioning of `prompts` for samples of `params`: :meth:`encode_prompts`, unless what a family
+        conditions on depends on the samples' size too (image-to-video: the first frame's latents span the video)."""
+        return self.encode_prompts(prompts)
 
     @abc.abstractmethod
     def predict(

@@ -75,8 +75,8 @@ def expert_at(timestep: torch.Tensor, boundary_timestep: float | None) -> str:
     return LOW_NOISE_EXPERT
 
 
-def unsupported_parts(pipeline: Any) -> list[str]:
-    """What in a WanPipeline this text-to-video adapter cannot run, one line each (empty: it runs it)."""
+def expert_problems(pipeline: Any) -> list[str]:
+    """What in a Wan pipeline's experts and boundary no Wan adapter can run, one line each (empty: none)."""
     problems = []
     experts = {name: getattr(pipeline, name, None) for name in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT)}
     boundary_ratio = pipeline.config.get("boundary_ratio")
@@ -89,12 +89,27 @@ def unsupported_parts(pipeline: Any) -> list[str]:
     if boundary_ratio is None and experts[LOW_NOISE_EXPERT] is not None:
         problems.append("a `transformer_2` but no boundary_ratio in model_index.json: nothing says at which "
                         "timestep the low-noise expert takes over")
+    if all(expert is not None for expert in experts.values()):
+        high, low = (experts[n].config for n in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT))
+        if tuple(high.patch_size) != tuple(low.patch_size) or high.rope_max_seq_len != low.rope_max_seq_len:
+            problems.append("`transformer` and `transformer_2` differ in patch_size or rope_max_seq_len: "
+                            "one latent geometry must fit both experts")
+    return problems
+
+
+def present_experts(pipeline: Any) -> dict[str, Any]:
+    """The pipeline's experts by component name, those it has."""
+    found = {name: getattr(pipeline, name, None) for name in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT)}
+    return {name: expert for name, expert in found.items() if expert is not None}
+
+
+def unsupported_parts(pipeline: Any) -> list[str]:
+    """What in a WanPipeline this text-to-video adapter cannot run, one line each (empty: it runs it)."""
+    problems = expert_problems(pipeline)
     if getattr(pipeline, "image_encoder", None) is not None:
         problems.append("an `image_encoder`: image-to-video conditioning is not supported (text-to-video only)")
     z_dim = pipeline.vae.config.z_dim
-    for name, expert in experts.items():
-        if expert is None:
-            continue
+    for name, expert in present_experts(pipeline).items():
         config = expert.config
         if config.get("image_dim") is not None:
             problems.append(f"{name}.config.image_dim = {config.image_dim}: the transformer expects image "
@@ -103,11 +118,6 @@ def unsupported_parts(pipeline: Any) -> list[str]:
             problems.append(f"{name}.config in_channels/out_channels = {config.in_channels}/{config.out_channels}, "
                             f"the VAE's z_dim {z_dim}: the transformer takes conditioning latent channels "
                             "(image-to-video) this adapter does not feed")
-    if all(expert is not None for expert in experts.values()):
-        high, low = (experts[n].config for n in (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT))
-        if tuple(high.patch_size) != tuple(low.patch_size) or high.rope_max_seq_len != low.rope_max_seq_len:
-            problems.append("`transformer` and `transformer_2` differ in patch_size or rope_max_seq_len: "
-                            "one latent geometry must fit both experts")
     return problems
 
 
@@ -171,12 +181,14 @@ class WanPolicy(DiffusionPolicy):
     pipeline_class = WanPipeline
     cfg_renormalize = False
 
+    supports = "text-to-video Wan2.1 / Wan2.2"  # what the refusal of a checkout names as supported
+    unsupported = staticmethod(unsupported_parts)
+
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype,
                  settings: PolicySettings | None = None) -> None:
-        problems = unsupported_parts(pipeline)
+        problems = self.unsupported(pipeline)
         if problems:
-            raise ValueError("this Wan checkout is not supported (text-to-video Wan2.1 / Wan2.2 are): "
-                             + "; ".join(problems))
+            raise ValueError(f"this Wan checkout is not supported ({self.supports} are): " + "; ".join(problems))
         super().__init__(pipeline, device=device, dtype=dtype, settings=settings)
         self._flow_scheduler = flow_match_scheduler(pipeline.scheduler)
         ratio = pipeline.config.get("boundary_ratio")
@@ -264,7 +276,7 @@ class WanPolicy(DiffusionPolicy):
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         factor = int(self.pipeline.vae_scale_factor_spatial)
-        channels = self.pipeline.transformer.config.in_channels
+        channels = self.pipeline.transformer.config.out_channels  # image-to-video takes more channels in
         return (channels, self.geometry.latent_frames(num_frames), height // factor, width // factor)
 
     @property
@@ -312,28 +324,35 @@ class WanPolicy(DiffusionPolicy):
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, padding))
         # The stock loop passes the scheduler's timesteps: sigma x num_train_timesteps in float32.
         timestep = self.timestep(sigma.to(latents.device))
-        latents = latents.to(self.dtype)
+        hidden, extra = self._transformer_inputs(latents.to(self.dtype), cond)
         if self.boundary_timestep is None:
-            return self._expert_forward(self.pipeline.transformer, latents, timestep, embeds)
+            return self._expert_forward(self.pipeline.transformer, hidden, timestep, embeds, extra)
         # Each row runs the expert of its own timestep (in a batch they all share one).
         high = timestep >= self.boundary_timestep
         if bool(high.all()) or not bool(high.any()):
             expert = self.pipeline.transformer if bool(high.all()) else self.pipeline.transformer_2
-            return self._expert_forward(expert, latents, timestep, embeds)
+            return self._expert_forward(expert, hidden, timestep, embeds, extra)
         rows = [high.nonzero()[:, 0], (~high).nonzero()[:, 0]]
-        parts = [self._expert_forward(expert, latents[r], timestep[r], embeds[r])
+        parts = [self._expert_forward(expert, hidden[r], timestep[r], embeds[r], {k: v[r] for k, v in extra.items()})
                  for expert, r in zip((self.pipeline.transformer, self.pipeline.transformer_2), rows)]
         return torch.cat(parts)[torch.argsort(torch.cat(rows))]
 
+    def _transformer_inputs(self, latents: torch.Tensor, cond: PromptEmbeds
+                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the transformer's hidden_states, its other per-row inputs) for latents [B, C, F', H', W'] in the
+        policy's dtype: text-to-video feeds the latents alone."""
+        return latents, {}
+
     def _expert_forward(self, expert: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
-                        embeds: torch.Tensor) -> torch.Tensor:
-        """One expert's output for latents [B, C, F', H', W'] at timesteps [B]; with expand_timesteps the
+                        embeds: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One expert's output for inputs [B, C_in, F', H', W'] at timesteps [B]; with expand_timesteps the
         transformer gets [B, tokens], every token at its row's timestep (text-to-video: no conditioning frame)."""
         if self.expand_timesteps:
             t, h, w = self._patch_size
             tokens = (latents.shape[2] // t) * (latents.shape[3] // h) * (latents.shape[4] // w)
             timestep = timestep[:, None].expand(-1, tokens)
-        return expert(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
+        return expert(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False,
+                      **extra)[0]
 
     @torch.no_grad()
     def encode_videos(self, videos: torch.Tensor) -> torch.Tensor:

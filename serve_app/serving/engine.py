@@ -115,7 +115,7 @@ class DiffusersEngine:
             fewest = policy.geometry.input_images[0]
             if fewest:
                 gray = torch.full((3, side, side), 128, dtype=torch.uint8)
-                images, condition = policy.geometry.conditioning_images([gray] * fewest)
+                images, condition = policy.geometry.conditioning_images([gray] * fewest, output_size=(side, side))
                 tokens = replace(tokens, images=images, condition_images=condition)
             self._probe_conditioning = policy.encode_prompts([tokens])
         # The fewest frames the model takes: a transformer with two-frame tokens refuses one latent frame.

@@ -103,7 +103,8 @@ class RolloutPlanner:
                 f"prompts x group_size = {total} samples exceeds the limit of {limits.max_samples}", "group_size"
             )
 
-    def prompt_images(self, request: RolloutRequest) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    def prompt_images(self, request: RolloutRequest, sampling: SamplingParams
+                      ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
         """(each prompt's input images, decoded, checked and resized to the size the family conditions on
         (uint8 [3, h, w]; empty lists for a text-to-image family), the text encoder's own copies of them): the
         copies are resized from the images as sent, for a family that keeps them (``geometry.condition_image_area``);
@@ -122,7 +123,8 @@ class RolloutPlanner:
             geometry.check_input_image_count(len(row), f"images[{i}]")
             fields = [f"images[{i}][{j}]" for j in range(len(row))]
             sent = [self._input_image(image, field) for image, field in zip(row, fields)]
-            prompt_resized, prompt_condition = geometry.conditioning_images(sent, fields)
+            prompt_resized, prompt_condition = geometry.conditioning_images(
+                sent, fields, output_size=(sampling.height, sampling.width))
             resized.append(prompt_resized)
             condition.append(prompt_condition)
         return resized, condition
@@ -188,7 +190,7 @@ class RolloutPlanner:
         # 1. Check the request, merge its sampling, check its size and work, pin its version.
         self.validate(request)
         sampling = self.sampling_for(request)
-        images, condition_images = self.prompt_images(request)
+        images, condition_images = self.prompt_images(request, sampling)
         self.check_work(request, sampling, images)
         policy_version = self.policy_version_for(request)
         request_seed = request.seed if request.seed is not None else sampling.seed

@@ -174,6 +174,8 @@ def _conditioning(embeds: PromptEmbeds, row: int) -> dict[str, Any]:
     if embeds.image_latents is not None and embeds.image_shapes is not None:
         tokens = int(embeds.image_shapes[row].prod(dim=-1).sum())
         found["image_latents"] = [_tensor(embeds.image_latents[row, :tokens])]
+    if embeds.image_embeds is not None:
+        found["encoder_hidden_states_image"] = [_tensor(embeds.image_embeds[row])]
     return found
 
 

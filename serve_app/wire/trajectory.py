@@ -12,7 +12,8 @@ Tensors, B samples in batch order (group g at rows g*G .. g*G+G-1, dropped group
     latents                                [B, K+1, ...] the window's latents, in the dtype they were sampled
     sigmas [N+1] float32, step_indices [K] int64, embed_row [B] int64 (a sample's prompt_embeds row)
     prompt_embeds.embeds [P, L, D], .mask [P, L] bool, and where the family has them .pooled [P, D'],
-    .image_latents [P, T, C], .image_shapes [P, N, 3] int64 (input-image conditioning)
+    .image_latents [P, T, C], .image_shapes [P, N, 3] int64 (input-image conditioning), .image_embeds [P, L', D'']
+    (an image encoder's states: Wan2.1 image-to-video)
     negative_embeds.* the same fields: one row shared by every sample, or one per prompt row with input images
   with the images (return_images):
     images                                 [B, 3, H, W] uint8, or [B, F, 3, H, W] for a video family
@@ -35,7 +36,7 @@ from serve_app.wire.container import WireFormatError, pack, unpack
 TRAJECTORY_MEDIA_TYPE = "application/vnd.flowgrpo.trajectory+safetensors"
 FORMAT = "flowgrpo.trajectory/1"
 
-_EMBED_FIELDS = ("embeds", "mask", "pooled", "image_latents", "image_shapes")
+_EMBED_FIELDS = ("embeds", "mask", "pooled", "image_latents", "image_shapes", "image_embeds")
 
 
 def encode_batch(batch: TrajectoryBatch, *, transitions: Trajectory | None = None,

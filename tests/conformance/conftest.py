@@ -64,6 +64,7 @@ FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
     "qwen_image_edit_plus": lambda prompts: {"images": [[_input_image(i), _input_image(50 + i, 19, 49)]
                                                         for i in range(prompts)]},
     "flux_kontext": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
+    "wan_i2v": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
 }
 assert set(FAMILY_REQUEST) == set(families_that(lambda row: row.input_images)), "every image family needs its images"
 

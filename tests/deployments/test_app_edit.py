@@ -127,22 +127,22 @@ def test_text_families_take_no_images_and_input_images_count_in_the_work_budget(
     sampling = SamplingParams(num_steps=3, guidance_scale=1.0, sde_window_range=(0, 1))
     text = RolloutPlanner(None, IngressConfig(), sampling, ImageGeometry("qwen_image", 8, 256), max_work=2**22)
     with pytest.raises(InvalidRequestError, match="takes no input images") as info:
-        text.prompt_images(RolloutRequest(prompts=["a"], group_size=1, images=[[_image(0)]]))
+        text.prompt_images(RolloutRequest(prompts=["a"], group_size=1, images=[[_image(0)]]), sampling)
     assert info.value.field == "images[0]"
-    assert text.prompt_images(RolloutRequest(prompts=["a"], group_size=1))[0] == [[]]
+    assert text.prompt_images(RolloutRequest(prompts=["a"], group_size=1), sampling)[0] == [[]]
     # 2 samples x 3 steps x (16 output tokens + 16 input image tokens) = 192: over a budget of 150, where the
     # output tokens alone (96) would fit.
     edit = ImageGeometry("qwen_image_edit", 8, 256, input_images=(1, 1), input_image_area=32 * 32)
     planner = RolloutPlanner(None, IngressConfig(), sampling, edit, max_work=150)
     request = RolloutRequest(prompts=["a"], group_size=2, images=[[_image(0)]])
-    images, _ = planner.prompt_images(request)
+    images, _ = planner.prompt_images(request, sampling)
     assert images[0][0].shape == (3, 32, 32)  # 24 x 40 -> the 32 x 32 px input area, rounded to 32
     with pytest.raises(RequestTooLargeError, match=r"\+ 16 input image tokens x 2 samples a prompt") as info:
         planner.check_work(request, sampling, images)
     assert info.value.field == "sampling"
     # An aspect ratio whose short side rounds to nothing is refused naming the image.
     with pytest.raises(InvalidRequestError, match="aspect ratio") as info:
-        planner.prompt_images(RolloutRequest(prompts=["a"], group_size=1, images=[[_image(0, 8, 64)]]))
+        planner.prompt_images(RolloutRequest(prompts=["a"], group_size=1, images=[[_image(0, 8, 64)]]), sampling)
     assert info.value.field == "images[0][0]"
 
 
