@@ -6,7 +6,6 @@ of a batch that came over HTTP with one a handle caller got."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import torch
 import uvicorn
 
 from serve_app.serving.http_api import build_http_api
+from tests.ports import free_port
 
 
 class HandleService:
@@ -34,12 +34,6 @@ class HandleService:
 
     async def weight_version(self, version):
         return await self.handle.weight_version.remote(version)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

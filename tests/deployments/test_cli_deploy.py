@@ -8,7 +8,6 @@ GPU recipe and a recipe whose `deployments:` conflict with its args, side by sid
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,17 +19,12 @@ import pytest
 import yaml
 
 from serve_app.local_ray import loopback_ray_env
+from tests.ports import free_port
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dashboard_up(port: int) -> bool:
@@ -47,7 +41,7 @@ def _run(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="module")
 def head_node(flowgrpo_home, tmp_path_factory):
-    dashboard_port, gcs_port, http_port = _free_port(), _free_port(), _free_port()
+    dashboard_port, gcs_port, http_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "FLOWGRPO_HOME": flowgrpo_home,

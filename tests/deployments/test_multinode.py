@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ import torch
 from serve_app.config import ConfigError, load_config
 from serve_app.retry import RetryPolicy
 from serve_app.serving.options import OptionConflictError, check_running_options, deployment_options
+from tests.ports import free_port
 
 APP = "flowgrpo-multinode"
 SLOT = "rollout_slot"
@@ -103,12 +103,6 @@ def test_a_replica_run_with_other_resources_refuses_to_start(monkeypatch, assign
 # The cluster
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class MultiNode:
     cluster: Any  # ray.cluster_utils.Cluster
@@ -120,7 +114,7 @@ class MultiNode:
         a metrics export port on loopback."""
         temp = tempfile.mkdtemp(prefix="fgmn", dir="/tmp")
         self.temp_dirs.append(temp)
-        return {"object_store_memory": 100 * MB, "temp_dir": temp, "metrics_export_port": _free_port(), **extra}
+        return {"object_store_memory": 100 * MB, "temp_dir": temp, "metrics_export_port": free_port(), **extra}
 
     def add_node(self, **extra: Any):
         args = self.node_args(num_cpus=0, resources={SLOT: 1}, **extra)

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import pickle
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +18,7 @@ from PIL import Image
 
 from serve_app.rewards import CompositeReward, RewardError, build_reward
 from serve_app.rewards.remote import RemoteRewardError, parse_score, spaced_frames
+from tests.ports import free_port
 
 FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}  # retries without waiting seconds
 
@@ -186,9 +186,7 @@ def test_timeout_is_retried_then_reported():
 
 
 def test_refused_connection_is_retried_then_reported():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again below: nothing listens there
+    port = free_port()  # nothing listens there
     reward = build_reward("remote_score", url=f"http://127.0.0.1:{port}/score", retry=fast(2))
     with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}/score failed after 2 attempts: .*[Rr]efused"):
         reward(noise(1), ["p"])

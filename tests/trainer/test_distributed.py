@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.ports import free_port
 
 # 2 prompts x 4 samples, 3 stochastic steps; micro-batches of 3 rows (uneven: 3+3+2 in one process, 3+1
 # per rank), 2 inner epochs (the second step moves A as well as B, and its ratios are not 1), a KL term.
@@ -183,9 +184,7 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-dp-restart", route_prefix=None)
         free = ray.available_resources().get("CPU", 0.0)
@@ -217,9 +216,7 @@ def _wait_for_free_cpus(amount: float, timeout_s: float = 60.0) -> None:
 
 def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) -> list[dict]:
     """This file as 2 processes, one gloo rank each, on 127.0.0.1; returns each rank's results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # The ranks import the serve_app beside this file (not another checkout's installed one).
     repo = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
