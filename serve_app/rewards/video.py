@@ -11,6 +11,8 @@ in time order. It validates its input with :func:`check_video_batch`, the 5-D tw
 - ``temporal_consistency``: how alike consecutive frames are, optionally after the best small
   shift of the whole frame (so steady motion is not punished as flicker); in [-1, 0], 0 when every
   frame equals the previous one (shifted).
+- ``first_frame`` (image-to-video): how close each video's first frame is to the input image it was
+  asked to start from; in [-1, 0], 0 when the first frame is the image.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Literal, Sequence
 
 import torch
 
-from .registry import RewardFn, build_reward, check_image_batch, declares_groupwise, register_reward
+from .registry import RewardFn, build_reward, check_image_batch, declares_groupwise, register_reward, sees_input_images
 
 
 def check_video_batch(videos: torch.Tensor, prompts: Sequence[str]) -> None:
@@ -125,3 +127,30 @@ def _background_of(frames: torch.Tensor) -> torch.Tensor:
     """[N, C] per-channel median of the outermost ring of pixels of each frame of ``frames`` [N, C, H, W]."""
     ring = torch.cat([frames[..., 0, :], frames[..., -1, :], frames[..., 1:-1, 0], frames[..., 1:-1, -1]], dim=-1)
     return ring.median(dim=-1).values
+
+
+@register_reward("first_frame", takes="videos")
+@sees_input_images
+def first_frame() -> RewardFn:
+    """Image-to-video: reward = -(mean absolute pixel difference, in [0, 1], of each video's first frame to the
+    input image its prompt gave), the image as the model conditioned on it (at the video's size).
+
+    The stock pipeline never pins the first frame: the transformer only sees the image along its channels,
+    so a policy can drift from it, and this is the reward that says so. Values lie in [-1, 0].
+
+    Raises:
+        ValueError: at a call, unless every video has exactly one input image of its own frames' size.
+    """
+
+    def reward(videos: torch.Tensor, prompts: Sequence[str], *, input_images: Sequence[Sequence[torch.Tensor]]
+               ) -> torch.Tensor:
+        check_video_batch(videos, prompts)
+        if len(input_images) != videos.shape[0] or any(len(row) != 1 for row in input_images):
+            raise ValueError("first_frame needs exactly one input image per video (an image-to-video family)")
+        starts = torch.stack([row[0] for row in input_images]).to(videos.device)
+        if starts.shape != videos[:, 0].shape:
+            raise ValueError(f"input images {tuple(starts.shape[1:])} do not match the first frames "
+                             f"{tuple(videos.shape[2:])}")
+        return -(videos[:, 0].float() - starts.float()).abs().mean(dim=(1, 2, 3)) / 255.0
+
+    return reward

@@ -16,7 +16,7 @@ def grey_video(levels: list[int], size: int = 8) -> torch.Tensor:
 
 
 def test_video_rewards_are_registered():
-    assert {"frames", "temporal_consistency"} <= set(registered_rewards())
+    assert {"frames", "temporal_consistency", "first_frame"} <= set(registered_rewards())
 
 
 @pytest.mark.parametrize("videos, prompts, match", [
@@ -147,3 +147,24 @@ def test_temporal_consistency_rejects_bad_input():
         build_reward("temporal_consistency", max_shift=1.5)
     with pytest.raises(ValueError, match="at least 2 frames"):
         build_reward("temporal_consistency")(torch.zeros(1, 1, 3, 8, 8, dtype=torch.uint8), ["p"])
+
+
+def test_first_frame_scores_each_videos_start_against_its_own_input_image():
+    from serve_app.rewards import declares_input_images
+
+    assert declares_input_images("first_frame") and not declares_input_images("temporal_consistency")
+    reward = build_reward("first_frame")
+    videos = torch.stack([grey_video([51, 0, 0]), grey_video([255, 255, 255])])
+    starts = [[torch.full((3, 8, 8), 0, dtype=torch.uint8)], [torch.full((3, 8, 8), 255, dtype=torch.uint8)]]
+    # 51/255 = 0.2 off for the first video; the second starts exactly from its image; later frames do not count.
+    torch.testing.assert_close(reward(videos, ["a", "b"], input_images=starts), torch.tensor([-0.2, 0.0]))
+    torch.testing.assert_close(reward(videos, ["a", "b"], input_images=starts[::-1]), torch.tensor([-0.8, -1.0]))
+    with pytest.raises(ValueError, match="exactly one input image per video"):
+        reward(videos, ["a", "b"], input_images=[[], []])
+    with pytest.raises(ValueError, match="do not match the first frames"):
+        reward(videos, ["a", "b"], input_images=[[torch.zeros(3, 4, 4, dtype=torch.uint8)]] * 2)
+    # In a composite it runs in process, given each sample its prompt's image.
+    composite = CompositeReward([RewardSpec(name="first_frame")])
+    assert composite.needs_input_images
+    with pytest.raises(ValueError, match="runs with placement: in_process"):
+        CompositeReward([RewardSpec(name="first_frame", placement="deployment")], servers={"first_frame": None})
