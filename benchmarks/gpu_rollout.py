@@ -9,6 +9,8 @@ class, so the sampler under test is ours:
     qwen_image  QwenImageTransformer2DModel (20.4B) + AutoencoderKLQwenImage; 512 x 512, group 16
     sd3         SD3.5-Medium's SD3Transformer2DModel (2.2B) + the SD3 VAE;   512 x 512, group 16
     wan         Wan2.1-T2V-1.3B's WanTransformer3DModel + AutoencoderKLWan;  480 x 832 x 33 frames, group 8
+    wan_i2v     Wan2.1-I2V-14B-480P's transformer + CLIP ViT-H/14, a first frame; 480 x 832 x 17, group 4
+                (not in the default run: ``--families wan_i2v --compile-family none``, a call of its own)
 
 At 10 steps and true CFG 4 it measures, per family: samples/s and seconds per step of (a) the stock
 pipeline's ``__call__`` from the same initial latents, (b) our rollout with Flow-SDE log-probs on a
@@ -29,9 +31,12 @@ and 3 timed steps, bf16 and fp32 replays of the 2 window steps, LoRA) ~3 min. SD
 step (32 rows x 1,357 tokens), ~5 s a rollout, ~1 min with 2 repeats. Wan: ~1.2 PFLOP a step (16 rows
 x 14,040 tokens, half of it attention), ~25 s a rollout plus the VAE decode of eight 33-frame videos
 (not estimated), ~3 min with 1 repeat. The compile check (SD3.5-M, last because compilation time is the
-least certain part): ~2 min. In all 8 to 9 minutes.
+least certain part): ~2 min. In all 8 to 9 minutes. Wan2.1-I2V-14B (a 16.4B transformer): ~2.4 PFLOP a
+step (8 rows x 7,800 tokens, a sixth of it attention), ~5 s, ~50 s a rollout (the stock one too, a video at
+a time); with the build, warm-up, FLOP count and replays (float32 needs 33 GiB more: skipped on an H100) ~4 to
+5 min, in a call of its own.
 
-    python benchmarks/gpu_rollout.py [--families qwen_image sd3 wan] [--out FILE] [--repeats N]
+    python benchmarks/gpu_rollout.py [--families qwen_image sd3 wan wan_i2v] [--out FILE] [--repeats N]
     python benchmarks/gpu_rollout.py --tiny     # the same on the CPU at the embedded tiny models, ~1 min
 
 The device has no diffusers and no Ray and downloads nothing: diffusers, pydantic (the project's
@@ -115,7 +120,10 @@ CASES = {
     "qwen_image": FamilyCase(512, 512, 1, 16, 1, 2, "a red circle next to a blue square", "tiny-qwen-image"),
     "sd3": FamilyCase(512, 512, 1, 16, 2, 4, "a red circle next to a blue square", "tiny-sd3"),
     "wan": FamilyCase(480, 832, 33, 8, 1, 2, "a red circle moving left to right", "tiny-wan"),
+    "wan_i2v": FamilyCase(480, 832, 17, 4, 1, 1, "the circle rolls to the right", "tiny-wan-i2v"),
 }
+# The families of a run without --families (Wan2.1-I2V-14B alone takes about half a device call).
+DEFAULT_FAMILIES = ("qwen_image", "sd3", "wan")
 
 # What the JSON says of each build: the stand-ins, and the values nothing offline could confirm.
 BUILD_NOTES = {
@@ -138,6 +146,16 @@ BUILD_NOTES = {
         "unverified": ["UniPCMultistepScheduler(flow_prediction, use_flow_sigmas, flow_shift 3.0) as released "
                        "(recalled); our sampler steps its flow-matching sigmas with Euler / Flow-SDE"],
     },
+    "wan_i2v": {
+        "checked": "transformer: Wan2.1-I2V-14B's dim 5120 (40 x 128), ffn 13824, 40 layers, 36 input channels "
+                   "(Wan's own config); VAE: diffusers' constructor defaults",
+        "stand_ins": "UMT5 encoder of width 4096 with 1 layer; Qwen2 tokenizer padded to 512 tokens; the first "
+                     "frame a seeded random image",
+        "stock": "one video a call (its CLIP embeddings repeat per prompt, not per video), so the stock figure "
+                 "is the group's videos one after another, ours the group in one batch",
+        "unverified": ["image_dim 1280 / added_kv_proj_dim 5120 and the CLIP tower as ViT-H/14 (recalled)",
+                       "flow_shift 3.0 at 480p (recalled)"],
+    },
 }
 
 
@@ -151,6 +169,7 @@ class Prepared:
     base: SamplingParams
     seeds: torch.Tensor
     build_seconds: float
+    stock_inputs: dict  # what the stock call takes beside the prompt (an image-to-video family's first frame)
 
 
 def full_size_pipeline(family: str, device: torch.device, dtype: torch.dtype):
@@ -166,8 +185,9 @@ def full_size_pipeline(family: str, device: torch.device, dtype: torch.dtype):
         if family == "sd3":
             return sd3_pipeline("full", tokenizer_dir=tokenizer_dir, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        build = qwen_image_pipeline if family == "qwen_image" else wan_pipeline
-        return build("full", tokenizer=tokenizer, dtype=dtype)
+        if family == "qwen_image":
+            return qwen_image_pipeline("full", tokenizer=tokenizer, dtype=dtype)
+        return wan_pipeline("full-i2v" if family == "wan_i2v" else "full", tokenizer=tokenizer, dtype=dtype)
 
 
 def prepare(family: str, case: FamilyCase, args: argparse.Namespace, device: torch.device) -> Prepared:
@@ -180,7 +200,15 @@ def prepare(family: str, case: FamilyCase, args: argparse.Namespace, device: tor
     base = SamplingParams(height=case.height, width=case.width, num_frames=case.frames, num_steps=args.steps,
                           guidance_scale=args.guidance, seed=0)
     tokens = policy.text_processor().tokenize([case.prompt])
-    return Prepared(policy, case, tokens, base, torch.arange(case.group), time.perf_counter() - started)
+    stock_inputs = {}
+    if policy.input_images[0] > 0:  # one first frame, as the ingress resizes it (and as sent, for CLIP)
+        image = torch.randint(0, 256, (3, case.height, case.width), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(0))
+        resized, condition = policy.geometry.conditioning_images([image], output_size=(case.height, case.width))
+        tokens = [replace(tokens[0], images=resized, condition_images=condition)]
+        stock_inputs = {"images": [image]}
+    return Prepared(policy, case, tokens, base, torch.arange(case.group), time.perf_counter() - started,
+                    stock_inputs)
 
 
 def rollout_runs(prep: Prepared, steps: int, window_start: int, names=OURS) -> dict:
@@ -190,7 +218,7 @@ def rollout_runs(prep: Prepared, steps: int, window_start: int, names=OURS) -> d
     latents = initial_latents(prep.policy, base, sample_generators(prep.seeds))
 
     def stock() -> None:  # its images stay on the device: kept, they would count in the next peak
-        prep.policy.stock_call(prep.case.prompt, base, latents)
+        prep.policy.stock_call(prep.case.prompt, base, latents, **prep.stock_inputs)
 
     runs = {timing.STOCK: stock}
     for name, params in timing.sampler_variants(base, names).items():
@@ -437,8 +465,9 @@ def write(report: dict, out: Path | None) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="*", default=list(CASES), choices=list(CASES),
-                        help="the families to measure (none: only the compile check)")
+    parser.add_argument("--families", nargs="*", default=list(DEFAULT_FAMILIES), choices=list(CASES),
+                        help=f"the families to measure (default: {' '.join(DEFAULT_FAMILIES)}; none: only the "
+                             "compile check)")
     parser.add_argument("--out", type=Path, help="also write the JSON here (after every family)")
     parser.add_argument("--tiny", action="store_true", help="on the CPU at the embedded tiny models (float32)")
     parser.add_argument("--steps", type=int, help="denoising steps (10; --tiny: 7, the fewest a window in [0, 5) fits)")

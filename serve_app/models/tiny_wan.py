@@ -38,7 +38,8 @@ give 8x8 latents and, with the transformer's 1x2x2 patches, 16 tokens per latent
 
 Size ``full`` has Wan2.1-T2V-1.3B's transformer and VAE dimensions and its released
 ``UniPCMultistepScheduler`` (flow_shift 3.0), with a one-layer stand-in of the 4096-wide UMT5-XXL
-encoder: for GPU benchmarks (benchmarks/gpu_rollout.py), built in memory with :func:`wan_pipeline`.
+encoder: for GPU benchmarks (benchmarks/gpu_rollout.py), built in memory with :func:`wan_pipeline`. Size
+``full-i2v`` is Wan2.1-I2V-14B-480P's ``WanImageToVideoPipeline`` the same way, its CLIP ViT-H/14 at full size.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from .tokenizer_cache import load_tokenizer
 
 __all__ = ["WanSize", "build_tiny_wan", "wan_pipeline"]
 
-WanSize = Literal["tiny", "tiny-a14b", "tiny-ti2v", "tiny-i2v", "tiny-i2v-a14b", "full"]
+WanSize = Literal["tiny", "tiny-a14b", "tiny-ti2v", "tiny-i2v", "tiny-i2v-a14b", "full", "full-i2v"]
 
 _TEMPORAL_FACTOR = 4  # Wan2.1's
 _FLOW_SHIFT = 3.0  # Wan2.1-T2V at 480p
@@ -99,6 +100,11 @@ class _Spec:
     vae_decoder_base_dim: int | None = None
     image_to_video: bool = False  # WanImageToVideoPipeline: the first frame's conditioning joined along the channels
     clip_dim: int | None = None  # Wan2.1-I2V: the CLIP vision encoder's width (the transformer's image_dim)
+    clip_layers: int = 2
+    clip_heads: int = 2
+    clip_ffn_mult: int = 2  # the CLIP MLP's width over clip_dim
+    clip_side: int = 28  # the CLIP encoder's input size in px; its patches are half of it, or clip_patch px
+    clip_patch: int | None = None
 
 
 _SPECS: dict[str, _Spec] = {
@@ -128,8 +134,10 @@ _SPECS["tiny-ti2v"] = replace(
 _SPECS["tiny-i2v"] = replace(_SPECS["tiny"], image_to_video=True, clip_dim=16)
 # Wan2.2-I2V-A14B: two experts at the released boundary, image latents only.
 _SPECS["tiny-i2v-a14b"] = replace(_SPECS["tiny"], image_to_video=True, boundary_ratio=0.9)
-
-_CLIP_SIDE = 28  # the tiny CLIP encoder's input size in px (ViT-H/14 takes 224)
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: 40 blocks of 40 heads x 128 (dim 5120), ffn 13824, Wan2.1's VAE, and
+# the CLIP ViT-H/14 vision tower (1280 wide, 32 layers of 16 heads, MLP 5120, 224 px in 14 px patches).
+_SPECS["full-i2v"] = replace(_SPECS["full"], layers=40, heads=40, ffn_dim=13824, image_to_video=True, clip_dim=1280,
+                             clip_layers=32, clip_heads=16, clip_ffn_mult=4, clip_side=224, clip_patch=14)
 
 
 def _text_encoder(spec: _Spec) -> UMT5EncoderModel:
@@ -164,15 +172,17 @@ def _transformer(spec: _Spec) -> WanTransformer3DModel:
 
 def _image_encoder(spec: _Spec) -> CLIPVisionModel:
     assert spec.clip_dim is not None
-    config = CLIPVisionConfig(hidden_size=spec.clip_dim, intermediate_size=2 * spec.clip_dim, num_hidden_layers=2,
-                              num_attention_heads=2, image_size=_CLIP_SIDE, patch_size=_CLIP_SIDE // 2)
+    config = CLIPVisionConfig(hidden_size=spec.clip_dim, intermediate_size=spec.clip_ffn_mult * spec.clip_dim,
+                              num_hidden_layers=spec.clip_layers, num_attention_heads=spec.clip_heads,
+                              image_size=spec.clip_side, patch_size=spec.clip_patch or spec.clip_side // 2)
     return CLIPVisionModel(config).eval()
 
 
-def _image_processor() -> CLIPImageProcessor:
+def _image_processor(spec: _Spec) -> CLIPImageProcessor:
     """CLIP's preprocessing (shortest side to the input size, bicubic; centre crop; CLIP's mean and std) at the
-    tiny encoder's 28 px."""
-    return CLIPImageProcessor(size={"shortest_edge": _CLIP_SIDE}, crop_size={"height": _CLIP_SIDE, "width": _CLIP_SIDE})
+    encoder's input size."""
+    side = spec.clip_side
+    return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
 
 
 def _vae(spec: _Spec) -> AutoencoderKLWan:
@@ -221,7 +231,7 @@ def wan_pipeline(size: WanSize, *, tokenizer: Any, seed: int = 0, dtype: torch.d
     with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
         scheduler = _scheduler(spec)
     if spec.image_to_video:
-        processor = _image_processor() if spec.clip_dim is not None else None
+        processor = _image_processor(spec) if spec.clip_dim is not None else None
         return WanImageToVideoPipeline(tokenizer=tokenizer, scheduler=scheduler, image_processor=processor,
                                        boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.expand_timesteps,
                                        **components)

@@ -72,12 +72,13 @@ def test_gpu_rollout_tiny(flowgrpo_home):
     """The GPU check's whole script on the CPU at the tiny models, without Ray or Hydra (as on the device):
     ~50 s. The compile check runs with the `eager` backend here (dynamo only): inductor's CPU build alone
     would take longer than the rest (tests/policies/test_compile.py checks compiled numerics)."""
+    families = ["qwen_image", "sd3", "wan", "wan_i2v"]  # the default three and the image-to-video call
     report = run_script("gpu_rollout.py", "--tiny", "--repeats", "1", "--compile-backend", "eager",
-                        without=("ray", "hydra", "omegaconf"))
+                        "--families", *families, without=("ray", "hydra", "omegaconf"))
     assert_finite(report)
     assert report["mode"] == "tiny" and report["machine"]["device"] == "cpu"
     assert report["matmul"]["tflops"]["median"] > 0
-    assert list(report["families"]) == ["qwen_image", "sd3", "wan"]
+    assert list(report["families"]) == families
     for family in report["families"].values():
         sampling = family["sampling"]
         cases = family["cases"]

@@ -357,3 +357,24 @@ def test_flowgrpo_home_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert flowgrpo_home() == Path.home() / ".cache" / "flowgrpo-serve"
     monkeypatch.setenv("FLOWGRPO_HOME", "/tmp/somewhere")
     assert flowgrpo_home() == Path("/tmp/somewhere")
+
+
+def test_the_gpu_checks_image_to_video_build_is_wan21_i2v_14b(tokenizer_dir: Path) -> None:
+    """The GPU check's full-size Wan2.1-I2V-14B (benchmarks/gpu_rollout.py), built on the meta device: the
+    released 16.4B transformer with its image branch and the 0.63B CLIP ViT-H/14 tower, checked here so a device
+    call is not the first to build it."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import AutoTokenizer
+
+    from serve_app.models.tiny_wan import wan_pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)  # the build sets its length
+    with torch.device("meta"):
+        pipe = wan_pipeline("full-i2v", tokenizer=tokenizer, dtype=torch.bfloat16)
+    billions = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e9
+                for name in ("transformer", "image_encoder")}
+    assert isinstance(pipe, WanImageToVideoPipeline) and pipe.transformer_2 is None
+    assert 16.3 < billions["transformer"] < 16.5 and 0.62 < billions["image_encoder"] < 0.64
+    config = pipe.transformer.config
+    assert (config.in_channels, config.out_channels, config.image_dim, config.num_layers) == (36, 16, 1280, 40)
+    assert pipe.image_processor.crop_size == {"height": 224, "width": 224}
