@@ -119,27 +119,37 @@ def test_workers_must_divide_the_prompts_of_a_step(tmp_path, capsys):
     assert "must be a multiple of trainer.distributed.workers (3)" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-@pytest.mark.cluster
-def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process, tmp_path, flowgrpo_home):
-    """The `--workers 2` path: TorchTrainer, 2 gloo workers (DDP), rank 0 publishes and writes metrics."""
-    import csv
-
+@pytest.fixture(scope="module")
+def train_cluster(flowgrpo_home):
+    """One local cluster with Serve on loopback for this module's two Ray Train tests (each started its own,
+    a cluster start and its worker pool's imports more)."""
     import ray
+    from ray import serve
 
-    from serve_app.trainer.distributed import run_data_parallel
-
-    single, base = one_process
-    config = trainer_config(tmp_path, "ddp", "trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5")
     # Gloo's pairs on loopback too (by default it binds the address the host name resolves to).
     env = {"FLOWGRPO_HOME": flowgrpo_home, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
     # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
     try:
-        report = run_data_parallel(config, tmp_path / "ddp" / "out", source=fixed_source(rollout), progress=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        yield
     finally:
+        serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process, train_cluster, tmp_path):
+    """The `--workers 2` path: TorchTrainer, 2 gloo workers (DDP), rank 0 publishes and writes metrics."""
+    import csv
+
+    from serve_app.trainer.distributed import run_data_parallel
+
+    single, base = one_process
+    config = trainer_config(tmp_path, "ddp", "trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5")
+    report = run_data_parallel(config, tmp_path / "ddp" / "out", source=fixed_source(rollout), progress=False)
     assert report["policy_version"] == 1 and "final policy version 1" in report["summary"]
     assert_same_update(single, published(config), base)
     with (tmp_path / "ddp" / "out" / "metrics.csv").open() as f:
@@ -164,7 +174,7 @@ RESTART_TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "traine
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(tmp_path, flowgrpo_home, monkeypatch):
+def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(train_cluster, tmp_path, monkeypatch):
     """`--workers 2` against a deployed app: 2 steps straight, then 2 steps with rank 1 SIGKILLed inside step 1's
     update. Ray Train restarts both workers (trainer.distributed.max_failures) from the checkpoint rank 0 reported
     after step 0, and the run ends with the straight run's weights, bitwise."""
@@ -180,13 +190,8 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
 
     overrides = [*RESTART_APP, f"replica.weights_dir={tmp_path / 'weights'}"]
     config = load_trainer_config("trainer/flowgrpo", [*overrides, *RESTART_TRAINER])
-    env = {"FLOWGRPO_HOME": flowgrpo_home, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
+    serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-dp-restart", route_prefix=None)
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-dp-restart", route_prefix=None)
         free = ray.available_resources().get("CPU", 0.0)
         straight = run_data_parallel(config, tmp_path / "straight", progress=False)
         _wait_for_free_cpus(free)  # the straight run's workers release their CPUs after fit() has returned
@@ -194,8 +199,7 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
         monkeypatch.setenv("FLOWGRPO_CRASH_RANK", "1")
         killed = run_data_parallel(config, tmp_path / "killed", progress=False)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete("flowgrpo-dp-restart")
     assert straight["restarted_from_step"] is None and killed["restarted_from_step"] == 1
     mine, theirs = (load_file(tmp_path / run / "lora_final.safetensors") for run in ("killed", "straight"))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
