@@ -121,8 +121,7 @@ def test_workers_must_divide_the_prompts_of_a_step(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def train_cluster(flowgrpo_home):
-    """One local cluster with Serve on loopback for this module's two Ray Train tests (each started its own,
-    a cluster start and its worker pool's imports more)."""
+    """One local cluster, Serve on loopback, shared by this module's two Ray Train tests."""
     import ray
     from ray import serve
 
@@ -163,7 +162,8 @@ def test_two_ray_train_workers_give_the_one_process_update(rollout, one_process,
 
 # The app on the test's cluster: one replica, one torch thread, chunks never fused, so each rollout is the same
 # computation in every run; the trainer at staleness 1 with a checkpoint every step.
-RESTART_APP = [*SHARED, "app_name=flowgrpo-dp-restart", "replica.num_cpus=0.1", "replica.torch_threads=1",
+RESTART_APP_NAME = "flowgrpo-dp-restart"
+RESTART_APP = [*SHARED, f"app_name={RESTART_APP_NAME}", "replica.num_cpus=0.1", "replica.torch_threads=1",
                "replica.max_batch_size=1", "replica.autoscaling.min_replicas=1", "replica.autoscaling.max_replicas=1",
                "ingress.num_cpus=0.1", "aggregator.num_cpus=0.1"]
 RESTART_TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.micro_batch_size=4",
@@ -190,7 +190,7 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
 
     overrides = [*RESTART_APP, f"replica.weights_dir={tmp_path / 'weights'}"]
     config = load_trainer_config("trainer/flowgrpo", [*overrides, *RESTART_TRAINER])
-    serve.run(build_app(AppArgs(overrides=overrides)), name="flowgrpo-dp-restart", route_prefix=None)
+    serve.run(build_app(AppArgs(overrides=overrides)), name=RESTART_APP_NAME, route_prefix=None)
     try:
         free = ray.available_resources().get("CPU", 0.0)
         straight = run_data_parallel(config, tmp_path / "straight", progress=False)
@@ -199,7 +199,7 @@ def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_
         monkeypatch.setenv("FLOWGRPO_CRASH_RANK", "1")
         killed = run_data_parallel(config, tmp_path / "killed", progress=False)
     finally:
-        serve.delete("flowgrpo-dp-restart")
+        serve.delete(RESTART_APP_NAME)
     assert straight["restarted_from_step"] is None and killed["restarted_from_step"] == 1
     mine, theirs = (load_file(tmp_path / run / "lora_final.safetensors") for run in ("killed", "straight"))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
