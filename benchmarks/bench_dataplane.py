@@ -191,6 +191,7 @@ def measure(args: argparse.Namespace) -> dict:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env, "worker_process_setup_hook": count_tensor_bytes})
     try:
+        serve.start(proxy_location="Disabled")  # by handle only: no HTTP proxy, no port to bind
         for size in args.sizes:
             overrides = overrides_for(size)
             config = load_config("diffusion_rollout", overrides)

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import secrets
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,12 +43,6 @@ PAYLOAD_MODELS = {"shapes_lora": ["model=shapes_qwen_image", "reward=shapes"], "
 
 def _summary(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
@@ -161,11 +154,9 @@ def main() -> None:
     from serve_app.local_ray import benchmark_cluster
 
     token = secrets.token_hex(16)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     report: dict = {"benchmark": "bench_http", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                     "repeats": args.repeats, "rollouts": [], "publish": {}}
-    with benchmark_cluster(http_port=port), tempfile.TemporaryDirectory(prefix="bench-http-") as scratch:
+    with benchmark_cluster(serve="http") as url, tempfile.TemporaryDirectory(prefix="bench-http-") as scratch:
         token_file = Path(scratch) / "token"
         token_file.write_text(token)
         token_args = [f"ingress.api_token_file={token_file}"]

@@ -187,7 +187,7 @@ def main() -> None:
     report["group_noise"] = group_noise_speed(repeats=args.repeats, batch_prompts=args.noise_prompts,
                                               group_size=args.noise_group_size)
     torch.set_num_threads(1)  # the trainer's one core; the replica has the other
-    with benchmark_cluster(http_port=8129), tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
+    with benchmark_cluster(serve="handles"), tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
         overrides = app_overrides(Path(scratch) / "weights")
         serve.run(build_app(AppArgs(config="shapes_rollout", overrides=overrides)), name=APP, route_prefix=None)
         staleness = [int(k) for k in args.staleness.split(",")]

@@ -82,7 +82,7 @@ def main() -> None:
 
     report = {"benchmark": "bench_weights", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "repeats": args.repeats, "payloads": {}}
-    with benchmark_cluster(http_port=None), tempfile.TemporaryDirectory(prefix="bench-weights-") as scratch:
+    with benchmark_cluster(serve="none"), tempfile.TemporaryDirectory(prefix="bench-weights-") as scratch:
         for name in PAYLOADS:
             tensors, kind, lora = payload(name)
             folder = Path(scratch) / name

@@ -39,7 +39,8 @@ export RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$PY" -c 'import secrets; print(secret
 # FLOWGRPO_HOME (models, weight versions) is inherited by the Ray workers started below, so the
 # replicas and the trainer share one weight store.
 
-free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Below the kernel's ephemeral range, which Ray's own servers draw from as the cluster starts.
+free_port() { "$PY" -c 'from serve_app.local_ray import free_loopback_port; print(free_loopback_port())'; }
 PORT=$(free_port)
 DASHBOARD_PORT=$(free_port)
 HTTP_PORT=$(free_port)

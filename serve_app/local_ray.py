@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
+import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
 
 
 def loopback_ray_env() -> dict[str, str]:
@@ -28,14 +32,49 @@ def loopback_ray_env() -> dict[str, str]:
     return {name: os.environ[name] for name in names}
 
 
+RAY_WORKER_PORTS_MAX = 19999  # Ray's default max_worker_port
+_rng = random.SystemRandom()  # not the seeded `random`: two processes picking at once must not draw alike
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_loopback_port() -> int:
+    """A loopback TCP port free now, for a server started a while later (Serve's proxy after `ray.init`).
+
+    Not a port-0 bind: those come from the kernel's ephemeral range, which Ray draws from for its GCS,
+    raylets, agents and workers' gRPC servers as a cluster starts, so such a port can be taken before the
+    proxy binds it ("Failed to bind to address"). This one lies below that range and above Ray's worker
+    ports, where nothing is handed out unasked."""
+    low, high = RAY_WORKER_PORTS_MAX + 1, _ephemeral_low() - 1
+    for _ in range(100 if high - low > 100 else 0):
+        port = _rng.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a machine whose ephemeral range leaves no room below it
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
-def benchmark_cluster(*, http_port: int | None) -> Iterator[None]:
-    """A one-node Ray cluster (with Serve on loopback unless `http_port` is None) for a script whose
-    stdout must stay one JSON document: fd 1 goes to stderr while Ray runs (its workers and shutdown
-    write there)."""
+def benchmark_cluster(*, serve: Literal["none", "handles", "http"]) -> Iterator[str | None]:
+    """A one-node Ray cluster for a script whose stdout must stay one JSON document: fd 1 goes to stderr
+    while Ray runs (its workers and shutdown write there).
+
+    `serve`: "handles" starts Serve without its HTTP proxy (a script calling its apps by handle binds no
+    port); "http" with the proxy on a free loopback port, never a fixed one (two benchmarks may run at
+    once), and the block gets its URL."""
     loopback_ray_env()  # before Ray is imported: it reads RAY_AUTH_MODE at import
     import ray
-    from ray import serve
+    from ray import serve as ray_serve
 
     env = {k: os.environ[k] for k in ("FLOWGRPO_HOME", "HF_HUB_OFFLINE") if k in os.environ}
     sys.stdout.flush()
@@ -45,12 +84,17 @@ def benchmark_cluster(*, http_port: int | None) -> Iterator[None]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env})
     try:
-        if http_port is not None:
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        yield
+        url = None
+        if serve == "handles":
+            ray_serve.start(proxy_location="Disabled")
+        elif serve == "http":
+            port = free_loopback_port()
+            ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
+            url = f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        if http_port is not None:
-            serve.shutdown()
+        if serve != "none":
+            ray_serve.shutdown()
         ray.shutdown()
         sys.stdout.flush()
         os.dup2(stdout_fd, 1)

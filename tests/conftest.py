@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from serve_app.local_ray import loopback_ray_env
-from tests.ports import free_port
+from serve_app.local_ray import free_loopback_port
 
 # Every Ray process a test starts stays on 127.0.0.1 and requires this session's token (CLI and API alike).
 loopback_ray_env()
@@ -119,7 +119,7 @@ def ray_cluster(flowgrpo_home):
     # The driver's handles push their autoscaling metrics at the same interval.
     os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_SERVE_")})
     assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    metrics_port, http_port = free_port(), free_port()
+    metrics_port, http_port = free_loopback_port(), free_loopback_port()
     # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},

@@ -14,7 +14,7 @@ import torch
 import uvicorn
 
 from serve_app.serving.http_api import build_http_api
-from tests.ports import free_port
+from serve_app.local_ray import free_loopback_port
 
 
 class HandleService:
@@ -40,7 +40,7 @@ class HandleService:
 def serve_http(handle, *, token: str | None = None, max_upload_bytes: int = 2**30) -> Iterator[str]:
     """The API over `handle` on 127.0.0.1 while the block runs; yields its URL."""
     api = build_http_api(HandleService(handle), token=token, max_upload_bytes=max_upload_bytes)
-    port = free_port()
+    port = free_loopback_port()
     server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="http-api", daemon=True)
     thread.start()

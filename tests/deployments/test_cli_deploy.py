@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from serve_app.local_ray import loopback_ray_env
-from tests.ports import free_port
+from serve_app.local_ray import free_loopback_port
 
 pytestmark = pytest.mark.cluster
 
@@ -41,7 +41,7 @@ def _run(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="module")
 def head_node(flowgrpo_home, tmp_path_factory):
-    dashboard_port, gcs_port, http_port = free_port(), free_port(), free_port()
+    dashboard_port, gcs_port, http_port = free_loopback_port(), free_loopback_port(), free_loopback_port()
     env = {
         **os.environ,
         "FLOWGRPO_HOME": flowgrpo_home,

@@ -30,7 +30,7 @@ import torch
 from serve_app.config import ConfigError, load_config
 from serve_app.retry import RetryPolicy
 from serve_app.serving.options import OptionConflictError, check_running_options, deployment_options
-from tests.ports import free_port
+from serve_app.local_ray import free_loopback_port
 
 APP = "flowgrpo-multinode"
 SLOT = "rollout_slot"
@@ -114,7 +114,7 @@ class MultiNode:
         a metrics export port on loopback."""
         temp = tempfile.mkdtemp(prefix="fgmn", dir="/tmp")
         self.temp_dirs.append(temp)
-        return {"object_store_memory": 100 * MB, "temp_dir": temp, "metrics_export_port": free_port(), **extra}
+        return {"object_store_memory": 100 * MB, "temp_dir": temp, "metrics_export_port": free_loopback_port(), **extra}
 
     def add_node(self, **extra: Any):
         args = self.node_args(num_cpus=0, resources={SLOT: 1}, **extra)

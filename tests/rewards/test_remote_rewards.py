@@ -18,7 +18,7 @@ from PIL import Image
 
 from serve_app.rewards import CompositeReward, RewardError, build_reward
 from serve_app.rewards.remote import RemoteRewardError, parse_score, spaced_frames
-from tests.ports import free_port
+from serve_app.local_ray import free_loopback_port
 
 FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}  # retries without waiting seconds
 
@@ -186,7 +186,7 @@ def test_timeout_is_retried_then_reported():
 
 
 def test_refused_connection_is_retried_then_reported():
-    port = free_port()  # nothing listens there
+    port = free_loopback_port()  # nothing listens there
     reward = build_reward("remote_score", url=f"http://127.0.0.1:{port}/score", retry=fast(2))
     with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}/score failed after 2 attempts: .*[Rr]efused"):
         reward(noise(1), ["p"])

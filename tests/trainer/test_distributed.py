@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ports import free_port
+from serve_app.local_ray import free_loopback_port
 
 # 2 prompts x 4 samples, 3 stochastic steps; micro-batches of 3 rows (uneven: 3+3+2 in one process, 3+1
 # per rank), 2 inner epochs (the second step moves A as well as B, and its ratios are not 1), a KL term.
@@ -131,7 +131,7 @@ def train_cluster(flowgrpo_home):
     # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        serve.start(http_options={"host": "127.0.0.1", "port": free_loopback_port()})
         yield
     finally:
         serve.shutdown()
@@ -220,7 +220,7 @@ def _wait_for_free_cpus(amount: float, timeout_s: float = 60.0) -> None:
 
 def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) -> list[dict]:
     """This file as 2 processes, one gloo rank each, on 127.0.0.1; returns each rank's results."""
-    port = free_port()
+    port = free_loopback_port()
     # The ranks import the serve_app beside this file (not another checkout's installed one).
     repo = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
