@@ -260,7 +260,7 @@ def transformer_throughput(prep: Prepared, clock: timing.Clock, *, peak_tflops: 
     index = torch.zeros(len(prep.seeds), dtype=torch.long, device=policy.device)
     conditioning = encode_conditioning(policy, prep.tokens, index, None, params)
     latents = initial_latents(policy, params, sample_generators(prep.seeds))
-    sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width).to(policy.device)
+    sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width, params.num_frames).to(policy.device)
 
     def step() -> None:
         deterministic_transition(policy, latents, sigmas[0], sigmas[1], conditioning, params, SolverHistory())

@@ -78,6 +78,9 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
                                   (("size", "tiny-i2v"),), note="Wan2.1-I2V's CLIP image embeddings"),
                EmbeddedCheckpoint("tiny-wan22-i2v", "serve_app.models.tiny_wan:build_tiny_wan", "tiny_wan22_i2v",
                                   (("size", "tiny-i2v-a14b"),), note="Wan2.2-I2V-A14B's two experts, no CLIP"))),
+    Family("ltx2", ("LTX2Pipeline",), "serve_app.policies.ltx2:LTX2Policy", "videos", False, ("transformer",),
+           checkpoints=(EmbeddedCheckpoint("tiny-ltx2", "serve_app.models.tiny_ltx2:build_tiny_ltx2", "tiny_ltx2",
+                                           note="LTX-2's joint video and audio latents"),)),
 )}
 
 # The config's model.family: any row's name.

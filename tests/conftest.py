@@ -50,7 +50,7 @@ def ode_sample():
         tokens = [replace(t, images=resized, condition_images=condition) for t in policy.text_processor().tokenize([prompt])]
         conditioning = encode_conditioning(policy, tokens, torch.zeros(1, dtype=torch.long), None, params)
         assert (conditioning.negative is not None) == (params.guidance_scale > 1)
-        sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width)
+        sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width, params.num_frames)
         steps = list(range(params.num_steps - 1))
         result = denoise(policy, conditioning, latents, sigmas, steps, params, generators)
         return policy.decode(result.final_latents, height=params.height, width=params.width), result.log_probs

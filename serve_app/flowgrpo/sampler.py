@@ -30,7 +30,7 @@ class SamplingPolicy(Protocol):
     def encode_prompts_for(self, prompts: Sequence[PromptTokens], params: SamplingParams) -> PromptEmbeds: ...
     def check_size(self, height: int, width: int, num_frames: int = 1) -> None: ...
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]: ...
-    def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor: ...
+    def sigma_schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor: ...
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *,
                  negative: PromptEmbeds | None, guidance_scale: float, height: int, width: int) -> torch.Tensor:
@@ -239,7 +239,7 @@ def rollout(
     if params.record == "final" and deterministic:
         steps = []  # nothing to record or branch on: every step is the ODE solver's
     # 2. Schedule and per-sample noise streams
-    sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width).to(policy.device)
+    sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width, params.num_frames).to(policy.device)
     generators = sample_generators(seeds)
     if group_seeds is None:
         start, latents = 0, initial_latents(policy, params, generators)

@@ -31,7 +31,7 @@ from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
 
-_SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width)
+_SCHEDULES_KEPT = 64  # sigma schedules a policy keeps, one per (steps, height, width, frames)
 
 # The pipeline component every family denoises with; Wan2.2-A14B adds a second expert (`transformer_2`).
 PRIMARY_EXPERT = "transformer"
@@ -433,26 +433,27 @@ class DiffusionPolicy(abc.ABC):
         samples with another (Wan: a flow-matching Euler scheduler at the checkout's flow_shift)."""
         return self.pipeline.scheduler
 
-    def sigma_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        """[N+1] float32 sigmas from 1 towards 0, ending at 0 - the scheduler's own schedule."""
-        key = (num_steps, height, width)
+    def sigma_schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
+        """[N+1] float32 sigmas from 1 towards 0, ending at 0 - the scheduler's own schedule (for a sample of
+        height x width x num_frames: a dynamically shifted schedule depends on the sample's tokens)."""
+        key = (num_steps, height, width, num_frames)
         if key not in self._schedules:
             if len(self._schedules) >= _SCHEDULES_KEPT:
                 del self._schedules[next(iter(self._schedules))]  # the oldest
-            self._schedules[key] = self._schedule(num_steps, height, width)
+            self._schedules[key] = self._schedule(num_steps, height, width, num_frames)
         return self._schedules[key].clone()
 
-    def _schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+    def _schedule(self, num_steps: int, height: int, width: int, num_frames: int) -> torch.Tensor:
         # The scheduler keeps state; a private copy per call keeps concurrent requests apart.
         scheduler = copy.deepcopy(self.schedule_source)
-        self._set_timesteps(scheduler, num_steps, height, width)
+        self._set_timesteps(scheduler, num_steps, height, width, num_frames)
         sigmas = torch.as_tensor(np.asarray(scheduler.sigmas.cpu(), dtype=np.float32))
         if sigmas.shape != (num_steps + 1,) or float(sigmas[-1]) != 0.0:
             raise ValueError(f"scheduler gave an unexpected schedule of shape {tuple(sigmas.shape)} for {num_steps} steps")
         return sigmas
 
     @abc.abstractmethod
-    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None: ...
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int = 1) -> None: ...
 
     # -- model calls -------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ class FluxPolicy(ClipT5Tokenizers, PackedLatentPolicy):
         # Rotary embeddings are computed from the position ids on every call: no table bounds the size.
         return MAX_IMAGE_SIDE // self.spatial_multiple
 
-    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int = 1) -> None:
         config = scheduler.config
         mu = calculate_shift(
             self.latent_shape(height, width)[0],

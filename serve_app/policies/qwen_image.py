@@ -91,7 +91,7 @@ class QwenImagePolicy(PackedLatentPolicy):
         # QwenEmbedRope precomputes its rotary frequencies for 4096 positions per axis.
         return int(self.pipeline.transformer.pos_embed.pos_freqs.shape[0])
 
-    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int = 1) -> None:
         seq_len = self.latent_shape(height, width)[0]
         config = scheduler.config
         mu = calculate_shift(

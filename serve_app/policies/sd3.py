@@ -71,7 +71,7 @@ class SD3Policy(ClipT5Tokenizers, DiffusionPolicy):
         channels = self.pipeline.transformer.config.in_channels
         return (channels, height // self._vae_factor, width // self._vae_factor)
 
-    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int = 1) -> None:
         config = scheduler.config
         kwargs: dict[str, Any] = {}
         if config.get("use_dynamic_shifting", None):

@@ -283,7 +283,7 @@ class WanPolicy(DiffusionPolicy):
     def schedule_source(self) -> FlowMatchEulerDiscreteScheduler:
         return self._flow_scheduler
 
-    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int) -> None:
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int = 1) -> None:
         scheduler.set_timesteps(num_steps, device="cpu")  # a fixed shift: no dependence on the size
 
     # -- model calls -------------------------------------------------------------------------
