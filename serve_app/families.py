@@ -81,6 +81,10 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
     Family("ltx2", ("LTX2Pipeline",), "serve_app.policies.ltx2:LTX2Policy", "videos", False, ("transformer",),
            checkpoints=(EmbeddedCheckpoint("tiny-ltx2", "serve_app.models.tiny_ltx2:build_tiny_ltx2", "tiny_ltx2",
                                            note="LTX-2's joint video and audio latents"),)),
+    Family("ltx2_i2v", ("LTX2ImageToVideoPipeline",), "serve_app.policies.ltx2_i2v:LTX2ImageToVideoPolicy", "videos",
+           True, ("transformer",), checkpoints=(
+               EmbeddedCheckpoint("tiny-ltx2-i2v", "serve_app.models.tiny_ltx2:build_tiny_ltx2", "tiny_ltx2_i2v",
+                                  (("size", "tiny-i2v"),), note="LTX-2's given first frame"),)),
 )}
 
 # The config's model.family: any row's name.

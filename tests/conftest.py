@@ -53,7 +53,8 @@ def ode_sample():
         sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width, params.num_frames)
         steps = list(range(params.num_steps - 1))
         result = denoise(policy, conditioning, latents, sigmas, steps, params, generators)
-        return policy.decode(result.final_latents, height=params.height, width=params.width), result.log_probs
+        rows = conditioning.prompts.select(conditioning.embed_row)
+        return policy.decode(result.final_latents, height=params.height, width=params.width, cond=rows), result.log_probs
 
     return run
 

@@ -41,7 +41,8 @@ class SamplingPolicy(Protocol):
         """The true-CFG scale of the step at `sigma` (two-expert models: each expert's own)."""
         ...
 
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
         """Images [B, 3, H, W] (videos [B, F, 3, H, W]) float in [0, 1]."""
         ...
 
@@ -249,7 +250,8 @@ def rollout(
     # 3. Denoising loop
     result = denoise(policy, conditioning, latents, sigmas, steps, params, generators, start=start)
     # 4. Decode
-    images = to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width))
+    images = to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width,
+                                    cond=conditioning.prompts.select(conditioning.embed_row)))
     if params.record == "final":
         recorded, log_probs, steps = result.final_latents[:, None], result.log_probs[:, :0], []
     else:

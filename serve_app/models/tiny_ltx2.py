@@ -1,6 +1,8 @@
 """A randomly initialised miniature of LTX-2 text-to-audio+video (``LTX2Pipeline``: Gemma3 text encoder,
 LTX2TextConnectors, LTX2VideoTransformer3DModel, the video and audio VAEs and the vocoder), saved so that it
-loads through the same ``LTX2Pipeline.from_pretrained(local_dir)`` a real checkout does.
+loads through the same ``LTX2Pipeline.from_pretrained(local_dir)`` a real checkout does. Layout ``tiny-i2v``
+(embedded as ``tiny-ltx2-i2v``) is the same components under ``LTX2ImageToVideoPipeline``, as LTX-2's
+image-to-video shares the text-to-video weights.
 
 Layout ``tiny`` (embedded as ``tiny-ltx2``): LTX-2.0 (``Lightricks/LTX-2``), every component its real
 class at a few channels wide:
@@ -44,7 +46,7 @@ Stand-ins, as for the other tiny families (no vocabulary can be fetched offline)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,6 +55,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
@@ -66,7 +69,7 @@ from .tokenizer_cache import load_tokenizer
 
 __all__ = ["LTX2Size", "build_tiny_ltx2", "ltx2_pipeline"]
 
-LTX2Size = Literal["tiny"]
+LTX2Size = Literal["tiny", "tiny-i2v"]
 
 # Fixed by the classes, not the config: the audio VAE's time and mel factor (LATENT_DOWNSAMPLE_FACTOR)
 # and the mel rate the transformer's audio RoPE and the pipeline's audio length both read.
@@ -98,6 +101,7 @@ class _Spec:
     audio_latent_channels: int
     mel_bins: int
     vocoder_channels: int
+    image_to_video: bool = False  # LTX2ImageToVideoPipeline: the same components, a given first frame
 
 
 _SPECS: dict[str, _Spec] = {
@@ -111,6 +115,8 @@ _SPECS: dict[str, _Spec] = {
         audio_latent_channels=4, mel_bins=16, vocoder_channels=64,
     ),
 }
+# LTX-2 image-to-video: the text-to-video checkpoint's components under LTX2ImageToVideoPipeline.
+_SPECS["tiny-i2v"] = replace(_SPECS["tiny"], image_to_video=True)
 
 
 def _audio_features(spec: _Spec) -> int:
@@ -211,10 +217,10 @@ def _scheduler() -> FlowMatchEulerDiscreteScheduler:
 
 
 def ltx2_pipeline(size: LTX2Size, *, tokenizer: Any, seed: int = 0,
-                  dtype: torch.dtype = torch.float32) -> LTX2Pipeline:
-    """A random-weight ``LTX2Pipeline`` of `size` in `dtype`, in memory, on the current default device;
-    bit-reproducible for a given `seed` (:func:`seeded_components`). `tokenizer`'s model_max_length is
-    set to the size's text length."""
+                  dtype: torch.dtype = torch.float32) -> LTX2Pipeline | LTX2ImageToVideoPipeline:
+    """A random-weight ``LTX2Pipeline`` (``tiny-i2v``: ``LTX2ImageToVideoPipeline``) of `size` in `dtype`, in
+    memory, on the current default device; bit-reproducible for a given `seed` (:func:`seeded_components`).
+    `tokenizer`'s model_max_length is set to the size's text length."""
     if size not in _SPECS:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SPECS)}")
     spec = _SPECS[size]
@@ -224,7 +230,8 @@ def ltx2_pipeline(size: LTX2Size, *, tokenizer: Any, seed: int = 0,
     components = seeded_components([(name, lambda make=make: make(spec), seed) for name, make in makers], dtype)
     with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
         scheduler = _scheduler()
-    return LTX2Pipeline(tokenizer=tokenizer, scheduler=scheduler, **components)
+    pipeline_class = LTX2ImageToVideoPipeline if spec.image_to_video else LTX2Pipeline
+    return pipeline_class(tokenizer=tokenizer, scheduler=scheduler, **components)
 
 
 def build_tiny_ltx2(out_dir: Path, *, size: LTX2Size = "tiny", seed: int = 0, tokenizer_dir: Path | None = None) -> Path:

@@ -95,9 +95,10 @@ class ImageGeometry:
     # Pixels of the vision-language encoder's own copy of each input image, resized from the image as sent by
     # the area rule (Qwen-Image-Edit-Plus: 384 x 384, beside 1024 x 1024 for the VAE); 0: no separate copy.
     condition_image_area: int = 0
-    # How an input image joins a sample: as latent tokens of its own beside the sample's (editing), or along the
-    # channels of the sample's first frame, resized to the sample's height x width (image-to-video).
-    input_image_joins: Literal["tokens", "channels"] = "tokens"
+    # How an input image joins a sample: as latent tokens of its own beside the sample's (editing), or, resized to
+    # the sample's height x width (image-to-video), along the channels of its first frame (Wan) or as its first
+    # latent frame, given in place of noise (LTX-2).
+    input_image_joins: Literal["tokens", "channels", "first_frame"] = "tokens"
     condition_image_as_sent: bool = False  # an image encoder gets each input image as sent (Wan2.1-I2V's CLIP)
     experts: int = 1  # denoisers, each with its own CFG scale (Wan2.2-A14B: 2, the second at guidance_scale_2)
 
@@ -232,11 +233,11 @@ class ImageGeometry:
     def conditioning_images(self, images: Sequence[torch.Tensor], fields: Sequence[str] | None = None, *,
                             output_size: tuple[int, int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A prompt's input images as sent -> (each at :meth:`input_image_size`, or, for a family whose images join
-        the first frame's channels, at `output_size` (the sample's (height, width), Lanczos, as the image-to-video
+        the first frame (image-to-video), at `output_size` (the sample's (height, width), Lanczos, as the image-to-video
         pipeline resizes); each encoder copy at `condition_image_area`, or as sent; no copies for a family without
         them). `fields` name the images in errors."""
         fields = list(fields) if fields is not None else ["images"] * len(images)
-        if self.input_image_joins == "channels":
+        if self.input_image_joins != "tokens":
             if output_size is None:
                 raise ValueError(f"{self.family}'s input images are resized to the sample's size: give output_size")
             resized = [resize_image(image, *output_size) for image in images]
@@ -250,8 +251,8 @@ class ImageGeometry:
 
     def input_tokens(self, height: int, width: int) -> int:
         """Latent tokens an input image already at its conditioning size adds to every forward (none when it
-        joins the first frame's channels)."""
-        if self.input_image_joins == "channels":
+        joins the first frame: its tokens are the video's own)."""
+        if self.input_image_joins != "tokens":
             return 0
         return (height // self.spatial_multiple) * (width // self.spatial_multiple)
 
@@ -507,8 +508,11 @@ class DiffusionPolicy(abc.ABC):
         return params.guidance_scale
 
     @abc.abstractmethod
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
-        """Images [B, 3, H, W] (videos: [B, F, 3, H, W]) float in [0, 1]."""
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
+        """Images [B, 3, H, W] (videos: [B, F, 3, H, W]) float in [0, 1]. `cond`: the samples' conditioning rows,
+        which a family whose samples do not hold all they show needs (LTX-2 image-to-video: the given first
+        frame); the others ignore it."""
 
     @abc.abstractmethod
     def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:

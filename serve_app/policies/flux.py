@@ -144,7 +144,8 @@ class FluxPolicy(ClipT5Tokenizers, PackedLatentPolicy):
         )[0]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
         pipe = self.pipeline
         vae = pipe.vae
         unpacked = pipe._unpack_latents(latents, height, width, self._vae_factor).to(vae.dtype)

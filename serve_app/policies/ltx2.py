@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ class LTX2TextProcessor(TextProcessor):
 class JointLatents(NamedTuple):
     """One batch's flat latents split into what the transformer takes."""
 
-    video: torch.Tensor  # [B, frames x rows x columns, video features], packed as the stock pipeline packs
+    video: torch.Tensor  # [B, sampled frames x rows x columns, video features], packed as the stock pipeline packs
     audio: torch.Tensor  # [B, audio frames, audio features]
     grid: tuple[int, int, int]  # (latent frames, rows, columns) of the video
     audio_frames: int
@@ -104,6 +104,8 @@ class LTX2Policy(DiffusionPolicy):
     family = "ltx2"
     pipeline_class = LTX2Pipeline
     cfg_renormalize = False
+    # Latent frames a prompt gives instead of the sampler (image-to-video: the first); they lead the video's tokens.
+    given_frames: ClassVar[int] = 0
 
     def __init__(self, pipeline: Any, *, device: torch.device, dtype: torch.dtype,
                  settings: PolicySettings | None = None) -> None:
@@ -166,21 +168,23 @@ class LTX2Policy(DiffusionPolicy):
     @property
     def _audio_features(self) -> int:
         audio_vae = self.pipeline.audio_vae.config
-        return int(audio_vae.latent_channels) * (int(audio_vae.mel_bins) // int(self.pipeline.audio_vae_mel_compression_ratio))
+        mel_bins = int(audio_vae.mel_bins) // int(self.pipeline.audio_vae_mel_compression_ratio)
+        return int(audio_vae.latent_channels) * mel_bins
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         frames, rows, columns = self._grid(height, width, num_frames)
-        return (frames * rows * columns * self._video_features + self.audio_frames(num_frames) * self._audio_features,)
+        sampled = max(frames - self.given_frames, 0) * rows * columns
+        return (sampled * self._video_features + self.audio_frames(num_frames) * self._audio_features,)
 
     def split(self, latents: torch.Tensor, *, height: int, width: int) -> JointLatents:
-        """Flat latents [B, n] -> the video and audio sequences. The frame count is the one whose latents have n
-        values (n grows with it, so exactly one does)."""
+        """Flat latents [B, n] -> the sampled video and the audio sequences. The frame count is the one whose
+        latents have n values (n grows with it, so exactly one does)."""
         n = latents.shape[-1]
         for num_frames in range(1, self.max_frames + 1, self.temporal_factor):
             if self.latent_shape(height, width, num_frames)[0] == n:
                 grid = self._grid(height, width, num_frames)
                 audio_frames = self.audio_frames(num_frames)
-                cut = grid[0] * grid[1] * grid[2] * self._video_features
+                cut = n - audio_frames * self._audio_features
                 return JointLatents(latents[:, :cut].reshape(len(latents), -1, self._video_features),
                                     latents[:, cut:].reshape(len(latents), audio_frames, self._audio_features),
                                     grid, audio_frames)
@@ -229,6 +233,10 @@ class LTX2Policy(DiffusionPolicy):
         """The transformer's timestep of sigmas: sigma x num_train_timesteps in float32, as the scheduler's."""
         return sigma.to(torch.float32) * self.pipeline.scheduler.config.num_train_timesteps
 
+    def given_tokens(self, cond: PromptEmbeds | None) -> torch.Tensor | None:
+        """[B, tokens, video features] of the latent frames the prompts give (None: the sampler makes every frame)."""
+        return None
+
     def predict(
         self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds, *, height: int, width: int
     ) -> torch.Tensor:
@@ -239,41 +247,63 @@ class LTX2Policy(DiffusionPolicy):
         embeds = cond.embeds.to(self.dtype)
         mask = cond.mask.to(torch.int64)
         timestep = self.timestep(sigma.to(latents.device))
-        video, audio = transformer(
-            hidden_states=joint.video.to(self.dtype), audio_hidden_states=joint.audio.to(self.dtype),
+        video, video_timestep = joint.video, timestep
+        given = self.given_tokens(cond)
+        if given is not None:  # clean tokens, at timestep 0, as the stock conditioning mask sets them
+            video = torch.cat([given.to(video.dtype), video], dim=1)
+            video_timestep = torch.cat([timestep.new_zeros(batch, given.shape[1]),
+                                        timestep[:, None].expand(-1, joint.video.shape[1])], dim=1)
+        video_velocity, audio_velocity = transformer(
+            hidden_states=video.to(self.dtype), audio_hidden_states=joint.audio.to(self.dtype),
             encoder_hidden_states=embeds[..., : self._video_text_dim],
             audio_encoder_hidden_states=embeds[..., self._video_text_dim:],
-            timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
-            num_frames=frames, height=rows, width=columns, fps=FRAME_RATE, audio_num_frames=joint.audio_frames,
+            timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask, num_frames=frames, height=rows, width=columns, fps=FRAME_RATE,
+            audio_num_frames=joint.audio_frames,
             video_coords=transformer.rope.prepare_video_coords(batch, frames, rows, columns, latents.device,
                                                                fps=FRAME_RATE),
             audio_coords=transformer.audio_rope.prepare_audio_coords(batch, joint.audio_frames, latents.device),
             use_cross_timestep=USE_CROSS_TIMESTEP, return_dict=False,
         )
-        return self.join(video, audio)
+        return self.join(video_velocity[:, video.shape[1] - joint.video.shape[1]:], audio_velocity)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
-        """Videos [B, F, 3, H, W] float in [0, 1] from the joint latents' video part."""
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
+        """Videos [B, F, 3, H, W] float in [0, 1] from the joint latents' video part (after the given frames)."""
         pipe = self.pipeline
         vae = pipe.vae
         joint = self.split(latents, height=height, width=width)
-        z = pipe._unpack_latents(joint.video, *joint.grid).to(self.dtype)
+        video = joint.video
+        if self.given_frames:
+            given = self.given_tokens(cond)
+            if given is None:
+                raise ValueError(f"{self.family} decodes its samples after the frames their prompts give: pass cond")
+            video = torch.cat([given.to(video.dtype), video], dim=1)
+        z = pipe._unpack_latents(video, *joint.grid).to(self.dtype)
         timestep = None
         if vae.config.timestep_conditioning:  # the stock decode_timestep 0, whose noise scale 0 adds no noise
             timestep = torch.zeros(len(z), device=z.device, dtype=z.dtype)
         z = pipe._denormalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        video = vae.decode(z.to(vae.dtype), timestep, return_dict=False)[0]
-        return pipe.video_processor.postprocess_video(video, output_type="pt")
+        frames = vae.decode(z.to(vae.dtype), timestep, return_dict=False)[0]
+        return pipe.video_processor.postprocess_video(frames, output_type="pt")
 
     def stock_call(self, prompt: str, params: SamplingParams, latents: torch.Tensor) -> torch.Tensor:
-        """The stock call from our initial latents. The pipeline takes latents unpacked ([B, C, F', H', W'] and
-        [B, C, L, M]) and normalises them as VAE latents, so each part goes in un-normalised: the pipeline then
-        starts from ours, up to one rounding."""
+        return self._stock_frames(prompt, params, latents)
+
+    def _stock_frames(self, prompt: str, params: SamplingParams, latents: torch.Tensor, *,
+                      given: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        """The stock call from our initial latents (after `given` [tokens, features] video tokens, image-to-video's
+        first frame). The pipeline takes latents unpacked ([B, C, F', H', W'] and [B, C, L, M]) and normalises
+        them as VAE latents, so each part goes in un-normalised: the pipeline then starts from ours, up to one
+        rounding. `inputs`: the pipeline's other arguments (its image)."""
         pipe = self.pipeline
         vae, audio_vae = pipe.vae, pipe.audio_vae
         joint = self.split(latents, height=params.height, width=params.width)
-        video = pipe._denormalize_latents(pipe._unpack_latents(joint.video, *joint.grid), vae.latents_mean,
+        tokens = joint.video
+        if given is not None:
+            tokens = torch.cat([given.to(tokens.dtype).expand(len(latents), -1, -1), tokens], dim=1)
+        video = pipe._denormalize_latents(pipe._unpack_latents(tokens, *joint.grid), vae.latents_mean,
                                           vae.latents_std, vae.config.scaling_factor)
         audio = pipe._unpack_audio_latents(
             pipe._denormalize_audio_latents(joint.audio, audio_vae.latents_mean, audio_vae.latents_std),
@@ -286,5 +316,5 @@ class LTX2Policy(DiffusionPolicy):
             audio_guidance_scale=params.guidance_scale, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
             audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
             use_cross_timestep=USE_CROSS_TIMESTEP, max_sequence_length=self.max_sequence_length,
-            latents=video, audio_latents=audio, num_videos_per_prompt=len(latents), output_type="pt",
+            latents=video, audio_latents=audio, num_videos_per_prompt=len(latents), output_type="pt", **inputs,
         ).frames

@@ -153,7 +153,8 @@ class QwenImagePolicy(PackedLatentPolicy):
         return pipe._pack_latents(latents, latents.shape[0], vae.config.z_dim, latents.shape[-2], latents.shape[-1])
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
         pipe = self.pipeline
         vae = pipe.vae
         unpacked = pipe._unpack_latents(latents, height, width, self._vae_factor).to(vae.dtype)

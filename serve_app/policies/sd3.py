@@ -144,7 +144,8 @@ class SD3Policy(ClipT5Tokenizers, DiffusionPolicy):
         )[0]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
         pipe = self.pipeline
         vae = pipe.vae
         latents = (latents.to(vae.dtype) / vae.config.scaling_factor) + vae.config.shift_factor

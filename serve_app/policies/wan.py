@@ -373,7 +373,8 @@ class WanPolicy(DiffusionPolicy):
         return mean, inv_std
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, height: int, width: int,
+               cond: PromptEmbeds | None = None) -> torch.Tensor:
         """Videos [B, F, 3, H, W] float in [0, 1] from latents [B, C, F', H', W']."""
         pipe = self.pipeline
         vae = pipe.vae

@@ -65,6 +65,7 @@ FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
                                                         for i in range(prompts)]},
     "flux_kontext": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
     "wan_i2v": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
+    "ltx2_i2v": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
 }
 assert set(FAMILY_REQUEST) == set(families_that(lambda row: row.input_images)), "every image family needs its images"
 

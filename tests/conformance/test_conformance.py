@@ -212,5 +212,7 @@ def test_final_latents_alone_are_the_images_and_depend_on_the_seed_only(conforma
     assert alone.step_indices.tolist() == []
     torch.testing.assert_close(fused[1].latents, alone.latents, atol=1e-5, rtol=0)
     params = dog.sampling
-    decoded = to_uint8(policy.decode(alone.latents[:, 0].to(policy.device), height=params.height, width=params.width))
+    conditioning = encode_conditioning(policy, dog.prompts, dog.prompt_slot, dog.negative_prompt, params)
+    decoded = to_uint8(policy.decode(alone.latents[:, 0].to(policy.device), height=params.height, width=params.width,
+                                     cond=conditioning.prompts.select(conditioning.embed_row)))
     assert torch.equal(decoded.cpu(), alone.images)

@@ -38,7 +38,8 @@ def test_videos_are_sampled_with_their_audio_and_scored(batch, policy):
     final = policy.split(t.latents[:, -1], height=32, width=32)
     assert final.audio.shape[:2] == (4, policy.audio_frames(5))
     # Each sample's audio latents are its own draw: no two samples share them, and the SDE window moved them.
-    assert float(torch.cdist(final.audio.flatten(1), final.audio.flatten(1)).masked_fill(torch.eye(4, dtype=torch.bool), 1).min()) > 1e-3
+    distances = torch.cdist(final.audio.flatten(1), final.audio.flatten(1))
+    assert float(distances.masked_fill(torch.eye(4, dtype=torch.bool), 1).min()) > 1e-3
     start = policy.split(t.latents[:, 0], height=32, width=32)
     assert float((final.audio - start.audio).abs().max()) > 1e-3
 
@@ -55,3 +56,38 @@ def test_http_gives_the_handles_batch_bitwise(handle):
     with serve_http(handle) as url:
         got = HttpRolloutClient(url).rollout(PROMPTS[:1], group_size=2, seed=3)
     assert_same_batch(got, want)
+
+
+# Image-to-video: model=tiny_ltx2_i2v reward=video_first_frame, the recipe docs/models.md gives.
+I2V_OVERRIDES = ["model=tiny_ltx2_i2v", "reward=video_first_frame", "sampling.num_steps=3",
+                 "sampling.sde_window_range=[0,1]", "sampling.num_frames=5"]
+
+
+def _image(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (3, 24, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def i2v_handle(start_local_app):
+    return start_local_app("diffusion_rollout", I2V_OVERRIDES, name="flowgrpo-ltx2-i2v-local")
+
+
+def test_image_to_video_starts_each_group_from_its_image_by_handle_and_over_http(i2v_handle):
+    from serve_app.config import load_config
+    from serve_app.policies import load_configured_policy
+    from serve_app.serving.engine_contract import replay_verdict
+
+    request = RolloutRequest(prompts=PROMPTS, group_size=2, seed=1, images=[[_image(0)], [_image(1)]])
+    batch = i2v_handle.rollout.remote(request).result().fetch(images=True)
+    assert batch.trajectory.images.shape == (4, 5, 3, 32, 32) and batch.rewards["first_frame"].isfinite().all()
+    # The first frame is given, not sampled: the prompt's image conditions its group, not the other.
+    other = i2v_handle.rollout.remote(RolloutRequest(prompts=PROMPTS, group_size=2, seed=1,
+                                                     images=[[_image(7)], [_image(1)]])).result().fetch(images=True)
+    assert float((other.trajectory.images[:2, 0].float() - batch.trajectory.images[:2, 0].float()).abs().max()) > 10
+    assert int((other.trajectory.images[2:].int() - batch.trajectory.images[2:].int()).abs().max()) <= 1
+    policy = load_configured_policy(load_config("diffusion_rollout", I2V_OVERRIDES).model)
+    verdict = replay_verdict(policy, batch.transitions)
+    assert verdict.ok, verdict.message
+    with serve_http(i2v_handle) as url:
+        got = HttpRolloutClient(url).rollout(PROMPTS, group_size=2, seed=1, images=[_image(0), _image(1)])
+    assert_same_batch(got, batch)

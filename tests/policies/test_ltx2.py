@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
 
+from serve_app.media import to_pil
 from serve_app.policies import detect_family, load_policy, load_text_processor
 from serve_app.policies.ltx2 import LTX2Policy, LTX2TextProcessor
 
@@ -86,3 +87,25 @@ def test_a_checkout_whose_connectors_keep_the_padding_is_refused(policy, monkeyp
     monkeypatch.setattr(policy.pipeline.connectors.audio_connector, "learnable_registers", None)
     with pytest.raises(ValueError, match="audio_connector has no learnable registers"):
         LTX2Policy(policy.pipeline, device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def i2v_policy(flowgrpo_home):
+    from serve_app.models import ensure_embedded_model
+
+    return load_policy(ensure_embedded_model("tiny-ltx2-i2v"))
+
+
+def test_the_first_frame_is_the_one_the_stock_image_to_video_call_keeps(i2v_policy):
+    """The stock call re-compresses, resizes and encodes the image into its first latent frame, which its loop
+    never steps: its latents out hold that frame, to compare with ours (the image as sent, 30 x 50)."""
+    pipe = i2v_policy.pipeline
+    image = torch.randint(0, 256, (3, 30, 50), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    stock = pipe(image=to_pil(image), prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=2,
+                 guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
+                 audio_modality_scale=1.0, max_sequence_length=i2v_policy.max_sequence_length, output_type="latent",
+                 generator=torch.Generator().manual_seed(1)).frames
+    vae = pipe.vae
+    ours = pipe._denormalize_latents(i2v_policy.first_frame(image, 32, 32), vae.latents_mean, vae.latents_std)
+    # Leaving the H.264 re-compression out moves this frame by 0.9 at most: far beyond the tolerance.
+    torch.testing.assert_close(ours[:, :, 0], stock[:, :, 0], atol=1e-5, rtol=0)
