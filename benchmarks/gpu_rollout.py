@@ -11,6 +11,9 @@ class, so the sampler under test is ours:
     wan         Wan2.1-T2V-1.3B's WanTransformer3DModel + AutoencoderKLWan;  480 x 832 x 33 frames, group 8
     wan_i2v     Wan2.1-I2V-14B-480P's transformer + CLIP ViT-H/14, a first frame; 480 x 832 x 17, group 4
                 (not in the default run: ``--families wan_i2v --compile-family none``, a call of its own)
+    ltx2        LTX-2's 18.9B audio-video transformer + its video and audio VAEs, vocoder and text connectors;
+                512 x 768 x 41 frames with their audio, group 4 (not in the default run either:
+                ``--families ltx2 --compile-family none``, a call of its own)
 
 At 10 steps and true CFG 4 it measures, per family: samples/s and seconds per step of (a) the stock
 pipeline's ``__call__`` from the same initial latents, (b) our rollout with Flow-SDE log-probs on a
@@ -34,9 +37,17 @@ x 14,040 tokens, half of it attention), ~25 s a rollout plus the VAE decode of e
 least certain part): ~2 min. In all 8 to 9 minutes. Wan2.1-I2V-14B (a 16.4B transformer): ~2.4 PFLOP a
 step (8 rows x 7,800 tokens, a sixth of it attention), ~5 s, ~50 s a rollout (the stock one too, a video at
 a time); with the build, warm-up, FLOP count and replays (float32 needs 33 GiB more: skipped on an H100) ~4 to
-5 min, in a call of its own.
+5 min, in a call of its own. LTX-2 (an 18.9B transformer), its FLOPs counted on the meta device (FlopCounterMode
+over the transformer's forward and the VAE's decode at these shapes): ~0.56 PFLOP a step (8 rows x 2,304 video
+tokens - 6 latent frames of 16 x 24 - and 43 audio frames, against 1,024 text tokens; a tenth of it attention),
+~1.1 s, ~11 s a rollout plus the decode of four 41-frame videos (~0.08 PFLOP of 3-D convolutions, a few
+seconds); with the build, warm-up, FLOP count, replays and LoRA ~2 to 3 min, in a call of its own. Its memory:
+~40 GiB of bf16 weights (35 of them the transformer's), the transformer's activations under 2 GiB, the decode's
+estimated at up to ~10 GiB (its largest tensor 2 GiB: 4 videos x 256 channels x 41 x 128 x 192): comfortable on
+an H100. The build peaks at ~70 GiB, the transformer made in float32 before its cast (as every family's is),
+which an H100's ~78 GiB holds; the float32 replay (35 GiB more) runs on an H200 only.
 
-    python benchmarks/gpu_rollout.py [--families qwen_image sd3 wan wan_i2v] [--out FILE] [--repeats N]
+    python benchmarks/gpu_rollout.py [--families qwen_image sd3 wan wan_i2v ltx2] [--out FILE] [--repeats N]
     python benchmarks/gpu_rollout.py --tiny     # the same on the CPU at the embedded tiny models, ~1 min
 
 The device has no diffusers and no Ray and downloads nothing: diffusers, pydantic (the project's
@@ -121,8 +132,11 @@ CASES = {
     "sd3": FamilyCase(512, 512, 1, 16, 2, 4, "a red circle next to a blue square", "tiny-sd3"),
     "wan": FamilyCase(480, 832, 33, 8, 1, 2, "a red circle moving left to right", "tiny-wan"),
     "wan_i2v": FamilyCase(480, 832, 17, 4, 1, 1, "the circle rolls to the right", "tiny-wan-i2v"),
+    # The stock pipeline's default frame (512 x 768); 41 = 8 x 5 + 1 frames, 1.7 s at 24 fps (121 frames, the
+    # stock default, would triple the tokens and take most of a device call).
+    "ltx2": FamilyCase(512, 768, 41, 4, 1, 2, "a drum is struck as a red circle bounces left to right", "tiny-ltx2"),
 }
-# The families of a run without --families (Wan2.1-I2V-14B alone takes about half a device call).
+# The families of a run without --families (Wan2.1-I2V-14B or LTX-2 alone takes about half a device call).
 DEFAULT_FAMILIES = ("qwen_image", "sd3", "wan")
 
 # What the JSON says of each build: the stand-ins, and the values nothing offline could confirm.
@@ -156,6 +170,17 @@ BUILD_NOTES = {
         "unverified": ["image_dim 1280 / added_kv_proj_dim 5120 and the CLIP tower as ViT-H/14 (recalled)",
                        "flow_shift 3.0 at 480p (recalled)"],
     },
+    "ltx2": {
+        "checked": "transformer, connectors, video VAE, audio VAE, vocoder and scheduler: the LTX-2.0 configs of "
+                   "diffusers' scripts/convert_ltx2_to_diffusers.py (mostly diffusers 0.42.1's constructor "
+                   "defaults; rope_type 'split' and the VAE's non-causal decoder set as released); the VAE's "
+                   "block layout also as in Lightricks' ltx-core tests",
+        "stand_ins": "Gemma 3 text encoder of width 3840 (16 heads / 8 KV heads of 256, MLP 15360) with 1 of 48 "
+                     "layers, so the connectors' text_proj_in_factor is 2 (released 49: their input matrix 0.03B "
+                     "parameters, not 0.72B); a small SigLIP tower; Qwen2 tokenizer padded to 1024 tokens",
+        "unverified": ["the video VAE's timestep_conditioning False (the conversion script's default; it has a "
+                       "flag for True)", "the VAEs' latent statistics (weights: constructor / synthetic values)"],
+    },
 }
 
 
@@ -176,6 +201,7 @@ def full_size_pipeline(family: str, device: torch.device, dtype: torch.dtype):
     """The family's pipeline at its real dimensions, random weights made on `device` (nothing saved)."""
     from transformers import AutoTokenizer
 
+    from serve_app.models.tiny_ltx2 import ltx2_pipeline
     from serve_app.models.tiny_qwen_image import qwen_image_pipeline
     from serve_app.models.tiny_sd3 import sd3_pipeline
     from serve_app.models.tiny_wan import wan_pipeline
@@ -187,6 +213,8 @@ def full_size_pipeline(family: str, device: torch.device, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         if family == "qwen_image":
             return qwen_image_pipeline("full", tokenizer=tokenizer, dtype=dtype)
+        if family == "ltx2":
+            return ltx2_pipeline("full", tokenizer=tokenizer, dtype=dtype)
         return wan_pipeline("full-i2v" if family == "wan_i2v" else "full", tokenizer=tokenizer, dtype=dtype)
 
 
@@ -359,7 +387,8 @@ def lora_switch(policy: DiffusionPolicy, clock: timing.Clock, rank: int) -> dict
 
 
 def parameters(policy: DiffusionPolicy) -> dict[str, int]:
-    names = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+    names = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "connectors", "audio_vae",
+             "vocoder")
     modules = {name: getattr(policy.pipeline, name, None) for name in names}
     return {name: sum(p.numel() for p in m.parameters()) for name, m in modules.items() if m is not None}
 

@@ -42,6 +42,33 @@ Stand-ins, as for the other tiny families (no vocabulary can be fetched offline)
   ``scheduler_config.json``, as mirrored on the Hub and in ostris/ai-toolkit's LTX-2 trainer): dynamic
   shifting between base_shift 0.95 at 1024 tokens and max_shift 2.05 at 4096, shift_terminal 0.1. At 48
   tokens mu is about 0.60 (the pipeline extrapolates the line below 1024).
+
+Size ``full`` (``full-i2v``: the same under ``LTX2ImageToVideoPipeline``): LTX-2.0 at its released dimensions,
+for the GPU check (benchmarks/gpu_rollout.py), built in memory with :func:`ltx2_pipeline`, never saved:
+
+* Confirmed against diffusers' scripts/convert_ltx2_to_diffusers.py (its ``version == "2.0"`` configs, with which
+  it converts Lightricks/LTX-2's ltx-2-19b-dev.safetensors by default): the transformer (48 audio-video blocks;
+  video 32 heads x 128, cross-attention 4096; audio 32 heads x 64, cross-attention 2048; 128 video and 128 audio
+  latent features; caption_channels 3840; RoPE ``split``, vae_scale_factors (8, 32, 32)); the connectors (caption
+  width 3840, both 30 heads x 128, 2 layers, 128 registers, RoPE ``split``); the video VAE (128 latent channels,
+  4x4 patches, encoder (256, 512, 1024, 2048) with (4, 6, 6, 2, 2) blocks and spatial / temporal / two
+  spatiotemporal downsamplings, decoder (256, 512, 1024) with 5 blocks a level, no noise injection, non-causal
+  decoder, factors 32 and 8; Lightricks' own ltx-core VAE test lists the same block layout); the audio VAE (base
+  128, ch_mult (1, 2, 4), 2 res blocks, 8 latent channels, 64 mel bins); the vocoder (1024 hidden, upsampling
+  factors (6, 5, 2, 2, 2)); the scheduler (the same config as every size here). Most of these are diffusers 0.42.1's
+  constructor defaults; the release differs from them in the transformer's and connectors' ``rope_type``
+  (``split``) and the VAE's ``decoder_causal`` (False), which are set here.
+* Not confirmed: the video VAE's ``timestep_conditioning`` is False as the conversion script converts by default
+  (it has a ``--timestep_conditioning`` flag, and a VAE config in Lightricks' ltx-core tests has it True); the
+  VAEs' latent statistics (the released values are weights: the video VAE keeps the constructor's zeros / ones,
+  the audio VAE the tiny's ramps).
+* Stand-ins: the 12B Gemma 3 text encoder at its real width (hidden 3840, 16 heads / 8 KV heads, MLP 15360,
+  sliding window 1024: Gemma-3-12B's text_config as quoted in public configs; heads of 256, transformers'
+  Gemma3TextConfig default, which that text_config leaves unset) with ONE of its 48 layers, over the Qwen2
+  vocabulary, and the tiny's small SigLIP tower (text prompts never run it). So the connectors'
+  ``text_proj_in_factor`` is 2 (one layer + the embeddings), where the release has 49: their ``text_proj_in`` is
+  7,680 x 3,840 instead of 188,160 x 3,840 (0.03B parameters where the release has 0.72B). The tokenizer is the
+  Qwen2 one with ``model_max_length`` 1024, the stock ``max_sequence_length``.
 """
 
 from __future__ import annotations
@@ -69,7 +96,7 @@ from .tokenizer_cache import load_tokenizer
 
 __all__ = ["LTX2Size", "build_tiny_ltx2", "ltx2_pipeline"]
 
-LTX2Size = Literal["tiny", "tiny-i2v"]
+LTX2Size = Literal["tiny", "tiny-i2v", "full", "full-i2v"]
 
 # Fixed by the classes, not the config: the audio VAE's time and mel factor (LATENT_DOWNSAMPLE_FACTOR)
 # and the mel rate the transformer's audio RoPE and the pipeline's audio length both read.
@@ -83,6 +110,12 @@ class _Spec:
     max_length: int  # the tokenizer's model_max_length: the policy's max_sequence_length
     text_dim: int  # Gemma3 hidden_size = the connectors' and transformer's caption_channels
     text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_head_dim: int
+    text_ffn: int
+    text_window: int  # Gemma3's sliding window
+    connector_heads: int  # of text_dim // connector_heads each
     registers: int  # the connectors' learnable registers; must divide the text length
     layers: int
     heads: int
@@ -93,12 +126,15 @@ class _Spec:
     vae_patch: int
     vae_channels: tuple[int, ...]  # encoder levels, one per downsample type
     vae_downsample: tuple[str, ...]
+    vae_layers: tuple[int, ...]  # resnets per encoder level, and the mid block's
     vae_decoder_channels: tuple[int, ...]  # each level half the next: the residual upsamplers need it
+    vae_decoder_layers: tuple[int, ...]  # resnets of the mid block, then per decoder level
     spatial_factor: int
     temporal_factor: int
-    latents_mean: tuple[float, ...]
-    latents_std: tuple[float, ...]
+    latents_mean: tuple[float, ...] | None  # None: the constructor's zeros / ones
+    latents_std: tuple[float, ...] | None
     audio_latent_channels: int
+    audio_res_blocks: int
     mel_bins: int
     vocoder_channels: int
     image_to_video: bool = False  # LTX2ImageToVideoPipeline: the same components, a given first frame
@@ -106,17 +142,29 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     "tiny": _Spec(
-        max_length=32, text_dim=16, text_layers=2, registers=8, layers=2, heads=2, head_dim=16, audio_heads=2,
+        max_length=32, text_dim=16, text_layers=2, text_heads=2, text_kv_heads=1, text_head_dim=8, text_ffn=32,
+        text_window=16, connector_heads=2, registers=8, layers=2, heads=2, head_dim=16, audio_heads=2,
         audio_head_dim=8, latent_channels=8, vae_patch=2, vae_channels=(16, 32, 64),
-        vae_downsample=("spatial", "temporal", "spatiotemporal"), vae_decoder_channels=(16, 32),
-        spatial_factor=8, temporal_factor=4,
+        vae_downsample=("spatial", "temporal", "spatiotemporal"), vae_layers=(1, 1, 1, 1),
+        vae_decoder_channels=(16, 32), vae_decoder_layers=(1, 1, 1), spatial_factor=8, temporal_factor=4,
         latents_mean=(0.1, -0.2, 0.05, 0.0, 0.3, -0.1, 0.15, -0.05),
         latents_std=(1.5, 0.8, 1.2, 2.0, 0.9, 1.1, 0.7, 1.3),
-        audio_latent_channels=4, mel_bins=16, vocoder_channels=64,
+        audio_latent_channels=4, audio_res_blocks=1, mel_bins=16, vocoder_channels=64,
+    ),
+    # Lightricks/LTX-2 (LTX-2.0) as released (the module docstring: sources, stand-ins), but a one-layer Gemma 3.
+    "full": _Spec(
+        max_length=1024, text_dim=3840, text_layers=1, text_heads=16, text_kv_heads=8, text_head_dim=256,
+        text_ffn=15360, text_window=1024, connector_heads=30, registers=128, layers=48, heads=32, head_dim=128,
+        audio_heads=32, audio_head_dim=64, latent_channels=128, vae_patch=4, vae_channels=(256, 512, 1024, 2048),
+        vae_downsample=("spatial", "temporal", "spatiotemporal", "spatiotemporal"), vae_layers=(4, 6, 6, 2, 2),
+        vae_decoder_channels=(256, 512, 1024), vae_decoder_layers=(5, 5, 5, 5), spatial_factor=32,
+        temporal_factor=8, latents_mean=None, latents_std=None, audio_latent_channels=8, audio_res_blocks=2,
+        mel_bins=64, vocoder_channels=1024,
     ),
 }
 # LTX-2 image-to-video: the text-to-video checkpoint's components under LTX2ImageToVideoPipeline.
 _SPECS["tiny-i2v"] = replace(_SPECS["tiny"], image_to_video=True)
+_SPECS["full-i2v"] = replace(_SPECS["full"], image_to_video=True)
 
 
 def _audio_features(spec: _Spec) -> int:
@@ -126,11 +174,13 @@ def _audio_features(spec: _Spec) -> int:
 
 def _text_encoder(spec: _Spec) -> Gemma3ForConditionalGeneration:
     text = Gemma3TextConfig(
-        vocab_size=QWEN2_VOCAB_SIZE, hidden_size=spec.text_dim, intermediate_size=2 * spec.text_dim,
-        num_hidden_layers=spec.text_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        query_pre_attn_scalar=8, max_position_embeddings=spec.max_length * 4,
-        # Gemma3's local/global alternation, with a window shorter than the text so it masks something.
-        layer_types=["sliding_attention", "full_attention"][: spec.text_layers], sliding_window=spec.max_length // 2,
+        vocab_size=QWEN2_VOCAB_SIZE, hidden_size=spec.text_dim, intermediate_size=spec.text_ffn,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads, head_dim=spec.text_head_dim, query_pre_attn_scalar=spec.text_head_dim,
+        max_position_embeddings=spec.max_length * 4,
+        # Gemma3's local/global alternation (its first layer is a local one); the tiny's window is shorter than
+        # the text so it masks something.
+        layer_types=["sliding_attention", "full_attention"][: spec.text_layers], sliding_window=spec.text_window,
         pad_token_id=QWEN2_PAD_ID, eos_token_id=QWEN2_EOS_ID, bos_token_id=QWEN2_PAD_ID,
     )
     # Four 7 px patches a side pooled 2x2 into mm_tokens_per_image, as Gemma3 pools 64 into 16 a side.
@@ -142,8 +192,9 @@ def _text_encoder(spec: _Spec) -> Gemma3ForConditionalGeneration:
 
 
 def _connectors(spec: _Spec) -> LTX2TextConnectors:
-    # LTX-2.0: both connectors run at the Gemma width (released 30 heads x 128 = 3840).
-    heads = 2
+    # LTX-2.0: both connectors run at the Gemma width (released 30 heads x 128 = 3840). text_proj_in takes
+    # every encoder layer's states and the embeddings': the release's 49 is Gemma-3-12B's 48 layers + 1.
+    heads = spec.connector_heads
     return LTX2TextConnectors(
         caption_channels=spec.text_dim, text_proj_in_factor=spec.text_layers + 1,
         video_connector_num_attention_heads=heads, video_connector_attention_head_dim=spec.text_dim // heads,
@@ -175,8 +226,8 @@ def _vae(spec: _Spec) -> AutoencoderKLLTX2Video:
     vae = AutoencoderKLLTX2Video(
         latent_channels=spec.latent_channels, block_out_channels=spec.vae_channels,
         down_block_types=("LTX2VideoDownBlock3D",) * levels, downsample_type=spec.vae_downsample,
-        spatio_temporal_scaling=(True,) * levels, layers_per_block=(1,) * (levels + 1),
-        decoder_block_out_channels=spec.vae_decoder_channels, decoder_layers_per_block=(1,) * (up_levels + 1),
+        spatio_temporal_scaling=(True,) * levels, layers_per_block=spec.vae_layers,
+        decoder_block_out_channels=spec.vae_decoder_channels, decoder_layers_per_block=spec.vae_decoder_layers,
         decoder_spatio_temporal_scaling=(True,) * up_levels, decoder_inject_noise=(False,) * (up_levels + 1),
         upsample_type=("spatiotemporal",) * up_levels, upsample_residual=(True,) * up_levels,
         upsample_factor=(2,) * up_levels, patch_size=spec.vae_patch, timestep_conditioning=False,
@@ -185,8 +236,9 @@ def _vae(spec: _Spec) -> AutoencoderKLLTX2Video:
         # as the release does (32 and 8).
         spatial_compression_ratio=spec.spatial_factor, temporal_compression_ratio=spec.temporal_factor,
     )
-    vae.latents_mean.copy_(torch.tensor(spec.latents_mean))
-    vae.latents_std.copy_(torch.tensor(spec.latents_std))
+    if spec.latents_mean is not None and spec.latents_std is not None:
+        vae.latents_mean.copy_(torch.tensor(spec.latents_mean))
+        vae.latents_std.copy_(torch.tensor(spec.latents_std))
     return vae.eval()
 
 
@@ -194,8 +246,9 @@ def _audio_vae(spec: _Spec) -> AutoencoderKLLTX2Audio:
     features = _audio_features(spec)
     # ch_mult of three levels: two downsamplings, the factor 4 the class assumes.
     vae = AutoencoderKLLTX2Audio(
-        base_channels=features, ch_mult=(1, 2, 4), num_res_blocks=1, latent_channels=spec.audio_latent_channels,
-        mel_bins=spec.mel_bins, sample_rate=_SAMPLE_RATE, mel_hop_length=_HOP_LENGTH,
+        base_channels=features, ch_mult=(1, 2, 4), num_res_blocks=spec.audio_res_blocks,
+        latent_channels=spec.audio_latent_channels, mel_bins=spec.mel_bins, sample_rate=_SAMPLE_RATE,
+        mel_hop_length=_HOP_LENGTH,
     )
     vae.latents_mean.copy_(torch.linspace(-0.2, 0.2, features))
     vae.latents_std.copy_(torch.linspace(0.7, 1.4, features))
@@ -218,7 +271,7 @@ def _scheduler() -> FlowMatchEulerDiscreteScheduler:
 
 def ltx2_pipeline(size: LTX2Size, *, tokenizer: Any, seed: int = 0,
                   dtype: torch.dtype = torch.float32) -> LTX2Pipeline | LTX2ImageToVideoPipeline:
-    """A random-weight ``LTX2Pipeline`` (``tiny-i2v``: ``LTX2ImageToVideoPipeline``) of `size` in `dtype`, in
+    """A random-weight ``LTX2Pipeline`` (``*-i2v``: ``LTX2ImageToVideoPipeline``) of `size` in `dtype`, in
     memory, on the current default device; bit-reproducible for a given `seed` (:func:`seeded_components`).
     `tokenizer`'s model_max_length is set to the size's text length."""
     if size not in _SPECS:

@@ -378,3 +378,46 @@ def test_the_gpu_checks_image_to_video_build_is_wan21_i2v_14b(tokenizer_dir: Pat
     config = pipe.transformer.config
     assert (config.in_channels, config.out_channels, config.image_dim, config.num_layers) == (36, 16, 1280, 40)
     assert pipe.image_processor.crop_size == {"height": 224, "width": 224}
+
+
+def test_the_gpu_checks_ltx2_build_is_ltx2_19b(tokenizer_dir: Path) -> None:
+    """The GPU check's full-size LTX-2 (benchmarks/gpu_rollout.py), built on the meta device: the released
+    audio-video transformer, whose published size is only the rounded "19B" (a 14B video stream and a 5B audio
+    stream: the LTX-2 paper, arXiv:2601.03233, and the README of Lightricks' ltx-core); the exact 18,876,174,592
+    is computed here from diffusers' LTX-2.0 conversion config, not confirmed against a checkpoint. The text
+    encoder is a one-layer Gemma 3 of the real width, so the connectors take 2 stacked states, not the release's 49.
+    Checked here, with our policy's forward at the check's shapes, so a device call is not the first to run it."""
+    from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+    from transformers import AutoTokenizer
+
+    from serve_app.models.tiny_ltx2 import ltx2_pipeline
+    from serve_app.policies import policy_class
+    from serve_app.policies.ltx2 import unsupported_parts
+    from serve_app.schemas import PromptEmbeds
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)  # the build sets its length
+    with torch.device("meta"):
+        pipe = ltx2_pipeline("full", tokenizer=tokenizer, dtype=torch.bfloat16)
+    billions = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e9
+                for name in ("transformer", "connectors", "vae")}
+    assert type(pipe) is LTX2Pipeline and unsupported_parts(pipe) == []
+    assert round(billions["transformer"]) == 19 and 18.87 < billions["transformer"] < 18.88
+    # Computed, not confirmed: the video VAE, and the connectors (1.43B with the release's 49 stacked states).
+    assert 1.2 < billions["vae"] < 1.25 and 0.73 < billions["connectors"] < 0.74
+    config = pipe.transformer.config
+    assert (config.in_channels, config.audio_in_channels, config.num_layers) == (128, 128, 48)
+    assert (config.caption_channels, config.cross_attention_dim, config.audio_cross_attention_dim) == (3840, 4096, 2048)
+    assert config.rope_type == "split" and pipe.text_encoder.config.text_config.num_hidden_layers == 1
+    assert pipe.connectors.text_proj_in.in_features == 2 * 3840  # (1 layer + the embeddings) x the width
+    assert (pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio) == (32, 8)
+    assert tokenizer.model_max_length == 1024 and 1024 % pipe.connectors.video_connector.num_learnable_registers == 0
+    # Our policy's transformer call at the GPU check's shape (512 x 768 x 41, CFG rows of a group of 4), shapes only.
+    meta = torch.device("meta")
+    policy = policy_class("ltx2").from_pipeline(pipe, device=meta, dtype=torch.bfloat16)
+    assert policy.latent_shape(512, 768, 41) == (6 * 16 * 24 * 128 + 43 * 128,)  # video tokens, then audio frames
+    with meta:
+        latents = torch.randn(8, *policy.latent_shape(512, 768, 41))
+        text = PromptEmbeds(torch.randn(8, 1024, 2 * 3840), torch.ones(8, 1024, dtype=torch.bool))
+        velocity = policy.predict(latents, torch.full((8,), 0.5), text, height=512, width=768)
+        assert velocity.shape == latents.shape
+        assert type(ltx2_pipeline("full-i2v", tokenizer=tokenizer, dtype=torch.bfloat16)) is LTX2ImageToVideoPipeline
