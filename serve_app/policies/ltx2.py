@@ -31,7 +31,6 @@ patch sizes other than 1 (the stock pipeline packs LTX-2's latents one token per
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -40,11 +39,10 @@ from diffusers import LTX2Pipeline
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
 from serve_app.config.sampling import MAX_IMAGE_SIDE, SamplingParams
-from serve_app.models.tokenizer_cache import load_tokenizer
-from serve_app.policies.base import DiffusionPolicy, PolicySettings, TextProcessor
+from serve_app.policies.base import DiffusionPolicy, PolicySettings
+from serve_app.policies.single_tokenizer import TOKENIZER_SLOT, SingleTokenizer, SingleTokenizerTextProcessor
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-TOKENIZER_SLOT = "tokenizer"
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # the stock `__call__`'s max_sequence_length
 FRAME_RATE = 24.0  # the stock `frame_rate`: rotary time coordinates and the audio's length follow it
 MAX_SECONDS = 20.0  # the stock `max_seconds`: the longest clip the pipeline plans for
@@ -65,30 +63,14 @@ def unsupported_parts(pipeline: Any) -> list[str]:
     return problems
 
 
-def max_sequence_length(tokenizer: Any) -> int:
-    """Text positions the encoder sees: the stock default, capped by the tokenizer's limit."""
-    return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
+class LTX2TextProcessor(SingleTokenizerTextProcessor):
+    """Stripped prompts; the policy pads them on the left, as the stock pipeline does."""
 
-
-class LTX2TextProcessor(TextProcessor):
-    """Stripped prompts, truncated to ``max_sequence_length`` tokens; unpadded (the policy pads on the left)."""
-
-    def __init__(self, tokenizers: dict[str, Any]) -> None:
-        if tokenizers.get(TOKENIZER_SLOT) is None:
-            raise ValueError("LTX-2 needs its tokenizer (the checkout's `tokenizer` folder)")
-        super().__init__(tokenizers)
-        self.max_sequence_length = max_sequence_length(tokenizers[TOKENIZER_SLOT])
+    family_name = "LTX-2"
+    default_max_length = DEFAULT_MAX_SEQUENCE_LENGTH
 
     def format(self, prompt: str) -> str:
         return prompt.strip()
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        encoded = self._tokenizer(TOKENIZER_SLOT)(
-            [self.format(p) for p in prompts], max_length=self.max_sequence_length, truncation=True,
-            add_special_tokens=True, padding=False,
-        )
-        return [PromptTokens(text=p, token_ids={TOKENIZER_SLOT: torch.tensor(ids, dtype=torch.long)})
-                for p, ids in zip(prompts, encoded["input_ids"])]
 
 
 class JointLatents(NamedTuple):
@@ -100,7 +82,7 @@ class JointLatents(NamedTuple):
     audio_frames: int
 
 
-class LTX2Policy(DiffusionPolicy):
+class LTX2Policy(SingleTokenizer, DiffusionPolicy):
     family = "ltx2"
     pipeline_class = LTX2Pipeline
     cfg_renormalize = False
@@ -119,17 +101,7 @@ class LTX2Policy(DiffusionPolicy):
     def _frozen_modules(pipeline: Any) -> list[torch.nn.Module]:
         return [pipeline.text_encoder, pipeline.connectors, pipeline.vae, pipeline.audio_vae, pipeline.vocoder]
 
-    def _make_text_processor(self) -> LTX2TextProcessor:
-        return LTX2TextProcessor({TOKENIZER_SLOT: self.pipeline.tokenizer})
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> LTX2TextProcessor:
-        return LTX2TextProcessor({TOKENIZER_SLOT: load_tokenizer(Path(local_dir) / TOKENIZER_SLOT)})
-
-    @property
-    def max_sequence_length(self) -> int:
-        """Text positions per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
-        return max_sequence_length(self.pipeline.tokenizer)
+    text_processor_class = LTX2TextProcessor
 
     # -- geometry and schedule -------------------------------------------------------------
 

@@ -46,19 +46,17 @@ more latent channels than the VAE makes) are refused at load, naming what the ad
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, PolicySettings, TextProcessor
+from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, PolicySettings
+from serve_app.policies.single_tokenizer import TOKENIZER_SLOT, SingleTokenizer, SingleTokenizerTextProcessor
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
-from serve_app.models.tokenizer_cache import load_tokenizer
 
-TOKENIZER_SLOT = "tokenizer"
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
 HIGH_NOISE_EXPERT = PRIMARY_EXPERT  # Wan2.2's `transformer`: timesteps at or above the boundary
 LOW_NOISE_EXPERT = "transformer_2"  # Wan2.2's `transformer_2`: timesteps below it
@@ -121,13 +119,6 @@ def unsupported_parts(pipeline: Any) -> list[str]:
     return problems
 
 
-def max_sequence_length(tokenizer: Any) -> int:
-    """Text positions the transformer sees: the stock default, capped by the tokenizer's limit."""
-    if tokenizer is None:
-        return DEFAULT_MAX_SEQUENCE_LENGTH
-    return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
-
-
 def flow_match_scheduler(scheduler: Any) -> FlowMatchEulerDiscreteScheduler:
     """The flow-matching scheduler whose sigmas the sampler steps through (see the module docstring).
 
@@ -150,33 +141,17 @@ def flow_match_scheduler(scheduler: Any) -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-class WanTextProcessor(TextProcessor):
-    """Cleaned prompts, truncated to ``max_sequence_length`` tokens; unpadded (the encoder pads)."""
+class WanTextProcessor(SingleTokenizerTextProcessor):
+    """Cleaned prompts (ftfy when installed, HTML unescaping, whitespace), as the stock ``prompt_clean``."""
 
-    def __init__(self, tokenizers: dict[str, Any]) -> None:
-        if tokenizers.get(TOKENIZER_SLOT) is None:
-            raise ValueError("Wan needs its tokenizer (the checkout's `tokenizer` folder)")
-        super().__init__(tokenizers)
-        self.max_sequence_length = max_sequence_length(tokenizers[TOKENIZER_SLOT])
+    family_name = "Wan"
+    default_max_length = DEFAULT_MAX_SEQUENCE_LENGTH
 
     def format(self, prompt: str) -> str:
         return prompt_clean(prompt)
 
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        encoded = self._tokenizer(TOKENIZER_SLOT)(
-            [self.format(p) for p in prompts],
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            padding=False,
-        )
-        return [
-            PromptTokens(text=p, token_ids={TOKENIZER_SLOT: torch.tensor(ids, dtype=torch.long)})
-            for p, ids in zip(prompts, encoded["input_ids"])
-        ]
 
-
-class WanPolicy(DiffusionPolicy):
+class WanPolicy(SingleTokenizer, DiffusionPolicy):
     family = "wan"
     pipeline_class = WanPipeline
     cfg_renormalize = False
@@ -232,18 +207,7 @@ class WanPolicy(DiffusionPolicy):
             return params.guidance_scale_2
         return params.guidance_scale
 
-    def _make_text_processor(self) -> WanTextProcessor:
-        return WanTextProcessor({TOKENIZER_SLOT: self.pipeline.tokenizer})
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> WanTextProcessor:
-        tokenizer = load_tokenizer(Path(local_dir) / TOKENIZER_SLOT)
-        return WanTextProcessor({TOKENIZER_SLOT: tokenizer})
-
-    @property
-    def max_sequence_length(self) -> int:
-        """Text positions per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
-        return max_sequence_length(self.pipeline.tokenizer)
+    text_processor_class = WanTextProcessor
 
     # -- geometry and schedule -------------------------------------------------------------
 
