@@ -85,6 +85,15 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            True, ("transformer",), checkpoints=(
                EmbeddedCheckpoint("tiny-ltx2-i2v", "serve_app.models.tiny_ltx2:build_tiny_ltx2", "tiny_ltx2_i2v",
                                   (("size", "tiny-i2v"),), note="LTX-2's given first frame"),)),
+    Family("flux2", ("Flux2Pipeline",), "serve_app.policies.flux2:Flux2Policy", "images", True, ("transformer",),
+           distilled_guidance=True,
+           checkpoints=(EmbeddedCheckpoint("tiny-flux2", "serve_app.models.tiny_flux2:build_tiny_flux2", "tiny_flux2",
+                                           note="FLUX.2 [dev]: Mistral 3 encoder, guidance embedding"),)),
+    Family("flux2_klein", ("Flux2KleinPipeline",), "serve_app.policies.flux2:Flux2KleinPolicy", "images", True,
+           ("transformer",), checkpoints=(
+               EmbeddedCheckpoint("tiny-flux2-klein", "serve_app.models.tiny_flux2:build_tiny_flux2",
+                                  "tiny_flux2_klein", (("size", "tiny-klein"),),
+                                  note="FLUX.2 [klein] base: Qwen3 encoder, true CFG"),)),
 )}
 
 # The config's model.family: any row's name.

@@ -35,7 +35,7 @@ def test_the_configs_and_the_registry_know_no_family_and_checkpoint_but_the_tabl
     assert SUPPORTED_FAMILIES == tuple(FAMILIES)
     assert VIDEO_FAMILIES == ("wan", "wan_i2v", "ltx2", "ltx2_i2v")
     assert set(IMAGE_CONDITIONED_FAMILIES) == {"qwen_image_edit", "qwen_image_edit_plus", "flux_kontext", "wan_i2v",
-                                                 "ltx2_i2v"}
+                                                 "ltx2_i2v", "flux2", "flux2_klein"}
     assert set(EMBEDDED_MODELS) == {c.name for row in FAMILIES.values() for c in row.checkpoints}
     for path in (default_config_dir() / "model").glob("*.yaml"):
         model = ModelConfig.model_validate(yaml.safe_load(path.read_text()))

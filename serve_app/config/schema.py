@@ -61,11 +61,11 @@ class ModelConfig(Section):
         "Class.from_pretrained loads the folder (diffusers imports no module a checkpoint names).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute dtype.")
-    distilled_guidance: float = Field(
-        3.5, ge=0, allow_inf_nan=False,
-        description="The `guidance` input of guidance-distilled transformers (Flux.1-dev: the stock pipeline's "
-        "guidance_scale), one value for the replicas and the trainer alike; ignored by models without a guidance "
-        "embedding. True CFG is sampling.guidance_scale.",
+    distilled_guidance: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="The `guidance` input of guidance-distilled transformers (Flux.1-dev, FLUX.2-dev: the stock "
+        "pipeline's guidance_scale), one value for the replicas and the trainer alike; None: the stock default "
+        "(Flux.1 3.5, FLUX.2 4.0). Ignored by models without a guidance embedding. True CFG is sampling.guidance_scale.",
     )
     input_image_area: int | None = Field(
         None, ge=1,

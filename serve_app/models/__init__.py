@@ -20,6 +20,7 @@ from .registry import (
 if TYPE_CHECKING:
     from .tiny_clip import build_tiny_clip, ensure_tiny_clip
     from .tiny_flux import build_tiny_flux
+    from .tiny_flux2 import build_tiny_flux2
     from .tiny_ltx2 import build_tiny_ltx2
     from .tiny_qwen_image import build_tiny_qwen_image
     from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
@@ -31,6 +32,7 @@ _LAZY = {
     "build_qwen2_tokenizer": ".tokenizer",
     "build_tiny_clip": ".tiny_clip",
     "build_tiny_flux": ".tiny_flux",
+    "build_tiny_flux2": ".tiny_flux2",
     "build_tiny_ltx2": ".tiny_ltx2",
     "build_tiny_qwen_image": ".tiny_qwen_image",
     "build_tiny_qwen_image_edit": ".tiny_qwen_image_edit",
@@ -46,6 +48,7 @@ __all__ = [
     "build_qwen2_tokenizer",
     "build_tiny_clip",
     "build_tiny_flux",
+    "build_tiny_flux2",
     "build_tiny_ltx2",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image_edit",

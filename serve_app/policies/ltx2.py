@@ -40,7 +40,7 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
 from serve_app.config.sampling import MAX_IMAGE_SIDE, SamplingParams
 from serve_app.policies.base import DiffusionPolicy, PolicySettings
-from serve_app.policies.single_tokenizer import TOKENIZER_SLOT, SingleTokenizer, SingleTokenizerTextProcessor
+from serve_app.policies.single_tokenizer import SingleTokenizer, SingleTokenizerTextProcessor, padded_ids
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # the stock `__call__`'s max_sequence_length
@@ -187,14 +187,9 @@ class LTX2Policy(SingleTokenizer, DiffusionPolicy):
         joined along the features (video first)."""
         pipe = self.pipeline
         tokenizer = pipe.tokenizer
+        # The stock pipeline pads on the left whatever the tokenizer's side, with the EOS id if it has no pad id.
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        length = self.max_sequence_length
-        ids = torch.full((len(prompts), length), int(pad_id), dtype=torch.long)
-        attention = torch.zeros(len(prompts), length, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens = prompt.token_ids[TOKENIZER_SLOT][-length:]
-            ids[row, length - len(tokens):] = tokens
-            attention[row, length - len(tokens):] = 1
+        ids, attention = padded_ids(prompts, self.max_sequence_length, pad_id, left=True)
         ids, attention = ids.to(self.device), attention.to(self.device)
         states = pipe.text_encoder(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states
         stacked = torch.stack(states, dim=-1).flatten(2, 3).to(pipe.text_encoder.dtype)

@@ -43,6 +43,21 @@ class SingleTokenizerTextProcessor(TextProcessor):
                 for p, ids in zip(prompts, encoded["input_ids"])]
 
 
+def padded_ids(prompts: Sequence[PromptTokens], length: int, pad_id: int, *, left: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's token ids padded to `length` with `pad_id` ([P, length] long) and their attention mask (1 on the
+    ids, long): what a tokenizer call with padding="max_length" gives, on the left with `left`. Prompts tokenized
+    by a SingleTokenizerTextProcessor are no longer than that."""
+    ids = torch.full((len(prompts), length), int(pad_id), dtype=torch.long)
+    mask = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens = prompt.token_ids[TOKENIZER_SLOT][:length]
+        start = length - len(tokens) if left else 0
+        ids[row, start:start + len(tokens)] = tokens
+        mask[row, start:start + len(tokens)] = 1
+    return ids, mask
+
+
 class SingleTokenizer:
     """The policy side: the pipeline's ``tokenizer`` under its ``text_processor_class``."""
 

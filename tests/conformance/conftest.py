@@ -66,6 +66,11 @@ FAMILY_REQUEST: dict[str, Callable[[int], dict]] = {
     "flux_kontext": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
     "wan_i2v": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
     "ltx2_i2v": lambda prompts: {"images": [[_input_image(i)] for i in range(prompts)]},
+    # FLUX.2's pipelines take reference images of 64 px a side or more and center-crop them to multiples of 16 (the
+    # tiny VAE factor x 2): 72 x 100 crops to 64 x 96, 66 x 81 to 64 x 80 (klein: two references of different sizes).
+    "flux2": lambda prompts: {"images": [[_input_image(i, 72, 100)] for i in range(prompts)]},
+    "flux2_klein": lambda prompts: {"images": [[_input_image(i, 72, 100), _input_image(50 + i, 66, 81)]
+                                               for i in range(prompts)]},
 }
 assert set(FAMILY_REQUEST) == set(families_that(lambda row: row.input_images)), "every image family needs its images"
 
