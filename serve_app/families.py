@@ -85,6 +85,9 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            True, ("transformer",), checkpoints=(
                EmbeddedCheckpoint("tiny-ltx2-i2v", "serve_app.models.tiny_ltx2:build_tiny_ltx2", "tiny_ltx2_i2v",
                                   (("size", "tiny-i2v"),), note="LTX-2's given first frame"),)),
+    Family("z_image", ("ZImagePipeline",), "serve_app.policies.z_image:ZImagePolicy", "images", False, ("transformer",),
+           checkpoints=(EmbeddedCheckpoint("tiny-z-image", "serve_app.models.tiny_z_image:build_tiny_z_image",
+                                           "tiny_z_image"),)),
     Family("flux2", ("Flux2Pipeline",), "serve_app.policies.flux2:Flux2Policy", "images", True, ("transformer",),
            distilled_guidance=True,
            checkpoints=(EmbeddedCheckpoint("tiny-flux2", "serve_app.models.tiny_flux2:build_tiny_flux2", "tiny_flux2",

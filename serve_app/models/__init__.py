@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .tiny_qwen_image_edit import build_tiny_qwen_image_edit
     from .tiny_sd3 import build_tiny_sd3
     from .tiny_wan import build_tiny_wan
+    from .tiny_z_image import build_tiny_z_image
     from .tokenizer import build_qwen2_tokenizer
 
 _LAZY = {
@@ -38,6 +39,7 @@ _LAZY = {
     "build_tiny_qwen_image_edit": ".tiny_qwen_image_edit",
     "build_tiny_sd3": ".tiny_sd3",
     "build_tiny_wan": ".tiny_wan",
+    "build_tiny_z_image": ".tiny_z_image",
     "ensure_tiny_clip": ".tiny_clip",
 }
 
@@ -54,6 +56,7 @@ __all__ = [
     "build_tiny_qwen_image_edit",
     "build_tiny_sd3",
     "build_tiny_wan",
+    "build_tiny_z_image",
     "ensure_embedded_model",
     "ensure_qwen2_tokenizer",
     "ensure_tiny_clip",
