@@ -1,5 +1,5 @@
 """What the README and docs/ tell a user exists and works: every path, module, make target and config
-they name, and every one-line model recipe of the README deploys and samples."""
+they name, and every one-line model recipe of the README deploys and samples, by handle and over HTTP alike."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ def test_the_readme_has_recipes():
 @pytest.mark.slow
 @pytest.mark.parametrize(("app", "config", "overrides"), readme_recipes(), ids=[r[0] for r in readme_recipes()])
 def test_each_readme_recipe_is_a_working_app(app, config, overrides, start_local_app):
+    from serve_app.http_client import HttpRolloutClient
     from serve_app.schemas import RolloutRequest
+    from tests.http_server import assert_same_batch, serve_http
 
     if any(o.startswith("model.path=") for o in overrides):
         # A local checkpoint on GPUs cannot run here: its config must compose and validate.
@@ -99,6 +101,9 @@ def test_each_readme_recipe_is_a_working_app(app, config, overrides, start_local
     frames = load_config(config or "diffusion_rollout", overrides).sampling.num_frames
     images = batch.trajectory.images
     assert images.shape[:2] == (2, frames) if frames > 1 else images.shape[:2] == (2, 3)
+    # Every family's trajectories over HTTP are the handle's, bitwise.
+    with serve_http(handle) as url:
+        assert_same_batch(HttpRolloutClient(url).rollout([prompt], group_size=2, seed=3), batch)
 
 
 # Commands the docs give that take seconds, run as written: from the repository root, no RAY_* variable
