@@ -254,6 +254,10 @@ def test_request_sampling_is_validated_after_the_app_defaults_are_merged(tiny_po
     with pytest.raises(InvalidRequestError) as info:
         planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"noise_level": -1}))
     assert info.value.field == "sampling.noise_level" and "(got -1" in info.value.message
+    # A step noise too small for the float32 log-density (non-finite from about 1e-30) is the request's error.
+    with pytest.raises(InvalidRequestError) as info:
+        planner.plan(RolloutRequest(prompts=["a"], group_size=1, sampling={"noise_level": 1.7e-247}))
+    assert info.value.field == "sampling.noise_level" and "at least 1e-06" in info.value.message
 
 
 @pytest.fixture

@@ -15,12 +15,16 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     create_model,
+    field_validator,
     model_validator,
 )
 
 # Schema-level caps on image sides and video frames, far above any model's; each model's own limit is tighter.
 MAX_IMAGE_SIDE = 16384
 MAX_FRAMES = 4097
+# The smallest positive noise_level: a step's float32 log-density stops being finite from about 1e-30 (Flow-SDE),
+# and long before that the samples are the ODE's up to rounding; 0 samples the ODE itself.
+MIN_NOISE_LEVEL = 1e-6
 
 class SamplingParams(BaseModel):
     """How to sample one rollout request (all samples of a request share these)."""
@@ -52,7 +56,8 @@ class SamplingParams(BaseModel):
     )
     negative_prompt: str = Field(" ", max_length=2000, description="Negative prompt for true CFG.")
     noise_level: StrictFloat = Field(
-        1.2, ge=0.0, le=10.0, allow_inf_nan=False, description="The `a` of Flow-GRPO (CPS: at most 1); 0 samples the ODE."
+        1.2, ge=0.0, le=10.0, allow_inf_nan=False,
+        description="The `a` of Flow-GRPO (CPS: at most 1); 0 samples the ODE, and a positive value is at least 1e-6."
     )
     sde_type: Literal["sde", "cps", "dance", "ode"] = Field(
         "sde", description="Stochastic step used inside the window: sde (Flow-SDE), cps (coefficients-preserving), "
@@ -79,6 +84,14 @@ class SamplingParams(BaseModel):
         description="shared: a prompt's samples start from one initial noise, so the deterministic steps before "
         "the SDE window run once per prompt and the group branches at the window (each sample's own step noise).",
     )
+
+    @field_validator("noise_level")
+    @classmethod
+    def _check_noise_level(cls, value: float) -> float:
+        if 0.0 < value < MIN_NOISE_LEVEL:
+            raise ValueError(f"must be 0 (the ODE) or at least {MIN_NOISE_LEVEL:g}: a smaller step noise has a "
+                             f"variance float32 cannot hold in its log-density; got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check_window(self) -> SamplingParams:
