@@ -14,6 +14,11 @@ class, so the sampler under test is ours:
     ltx2        LTX-2's 18.9B audio-video transformer + its video and audio VAEs, vocoder and text connectors;
                 512 x 768 x 41 frames with their audio, group 4 (not in the default run either:
                 ``--families ltx2 --compile-family none``, a call of its own)
+    flux2       FLUX.2 [dev]'s 32.2B Flux2Transformer2DModel + AutoencoderKLFlux2; 1024 x 1024, group 2 (a call of
+                its own: ``--families flux2 --compile-family none``)
+    flux2_klein FLUX.2 [klein] base 4B's transformer (3.9B) + the same VAE; 1024 x 1024, group 8
+    z_image     Z-Image's 6.15B ZImageTransformer2DModel + the Flux.1 VAE; 1024 x 1024, group 8 (these two together
+                a call: ``--families flux2_klein z_image --compile-family none``)
 
 At 10 steps and true CFG 4 it measures, per family: samples/s and seconds per step of (a) the stock
 pipeline's ``__call__`` from the same initial latents, (b) our rollout with Flow-SDE log-probs on a
@@ -47,7 +52,24 @@ estimated at up to ~10 GiB (its largest tensor 2 GiB: 4 videos x 256 channels x 
 an H100. The build peaks at ~70 GiB, the transformer made in float32 before its cast (as every family's is),
 which an H100's ~78 GiB holds; the float32 replay (35 GiB more) runs on an H200 only.
 
-    python benchmarks/gpu_rollout.py [--families qwen_image sd3 wan wan_i2v ltx2] [--out FILE] [--repeats N]
+FLUX.2 and Z-Image at 1024 x 1024 (their releases' default), counted the same way on the meta device, with memory
+from a trace of the live tensors of the transformer's forward and of the VAE's decode there (attention as a fused
+kernel, which keeps no score matrix; the allocator's slack not counted). FLUX.2 [dev]: ~1.13 PFLOP a step (4 rows -
+a group of 2 and its CFG rows - x 4,096 image tokens against 512 text tokens, a tenth of it attention), ~2.3 s,
+~23 s a rollout (the stock one too: its CFG runs both halves as one batch); with the build, warm-up, 2 repeats,
+FLOP count, replays and LoRA ~4 min, a call of its own. Its memory: 62.9 GiB of bf16 weights (60.0 of them the
+transformer's, 2.8 the stand-in encoder's), the forward's live tensors ~4.5 GiB and the stock decode's ~6 GiB (1.5
+GiB an image, and the stock decodes both CFG halves): ~69 GiB in all, ~10 GiB under an H100's ~79 before the
+allocator's slack; a group of 4 would peak at ~75 GiB, too near it. The transformer is made in bf16 (32B in
+float32 would not fit); the float32 replay needs 76 GiB free, which it reports skipped on an H100 and, most
+likely, on an H200. FLUX.2 [klein] 4B: ~0.56 PFLOP a step (16 rows - a group of 8 - x the same tokens, a fifth of
+it attention), ~1.1 s, ~11 s a rollout, ~2 min with 2 repeats. Z-Image: ~0.88 PFLOP a step (16 rows x 4,096
+image tokens and 32 caption tokens, 15% of it attention), ~1.8 s, ~18 s a rollout, ~2 min with 1 repeat; those
+two ~4 to 5 min as one call. Their memory: 13.4 and 12.7 GiB of weights, the forward's live tensors ~9 and ~7.5
+GiB, the decode of 8 images ~12 GiB: ~25 GiB.
+
+    python benchmarks/gpu_rollout.py [--families qwen_image sd3 wan wan_i2v ltx2 flux2 flux2_klein z_image]
+                                     [--out FILE] [--repeats N]
     python benchmarks/gpu_rollout.py --tiny     # the same on the CPU at the embedded tiny models, ~1 min
 
 The device has no diffusers and no Ray and downloads nothing: diffusers, pydantic (the project's
@@ -135,8 +157,14 @@ CASES = {
     # The stock pipeline's default frame (512 x 768); 41 = 8 x 5 + 1 frames, 1.7 s at 24 fps (121 frames, the
     # stock default, would triple the tokens and take most of a device call).
     "ltx2": FamilyCase(512, 768, 41, 4, 1, 2, "a drum is struck as a red circle bounces left to right", "tiny-ltx2"),
+    # 1024 x 1024, the releases' default. FLUX.2 [dev]'s group of 2 keeps an H100's peak at ~69 GiB (a group of 4:
+    # ~75 of its 79); one row replayed in float32 where that fits at all (60 GiB more).
+    "flux2": FamilyCase(1024, 1024, 1, 2, 2, 1, "a red circle next to a blue square", "tiny-flux2"),
+    "flux2_klein": FamilyCase(1024, 1024, 1, 8, 2, 2, "a red circle next to a blue square", "tiny-flux2-klein"),
+    "z_image": FamilyCase(1024, 1024, 1, 8, 1, 2, "a red circle next to a blue square", "tiny-z-image"),
 }
-# The families of a run without --families (Wan2.1-I2V-14B or LTX-2 alone takes about half a device call).
+# The families of a run without --families (the default run takes 8 to 9 minutes; Wan2.1-I2V-14B, LTX-2, FLUX.2
+# [dev], or FLUX.2 [klein] with Z-Image, each takes about half a device call of its own).
 DEFAULT_FAMILIES = ("qwen_image", "sd3", "wan")
 
 # What the JSON says of each build: the stand-ins, and the values nothing offline could confirm.
@@ -181,6 +209,32 @@ BUILD_NOTES = {
         "unverified": ["the video VAE's timestep_conditioning False (the conversion script's default; it has a "
                        "flag for True)", "the VAEs' latent statistics (weights: constructor / synthetic values)"],
     },
+    "flux2": {
+        "checked": "transformer: the flux2-dev config of diffusers' scripts/convert_flux2_to_diffusers.py (diffusers "
+                   "0.42.1's constructor defaults); VAE: AutoencoderKLFlux2's defaults, into which that script loads "
+                   "the released VAE strictly",
+        "stand_ins": "Mistral Small 3.1 text encoder of width 5120 with the 31 layers the pipeline's hidden states "
+                     "10/20/30 need, each thinned to 4 / 1 KV heads of 128 and an MLP of 1024 (released 32 / 8 "
+                     "heads, MLP 32768, 40 layers: 24B, which beside the 60 GiB transformer fits no H100); a small "
+                     "Pixtral tower; Qwen2 tokenizer padded to 512 tokens",
+        "unverified": ["the VAE's BatchNorm statistics (weights: synthetic values)"],
+    },
+    "flux2_klein": {
+        "checked": "transformer: the klein-4b config of diffusers' scripts/convert_flux2_to_diffusers.py; VAE: as "
+                   "FLUX.2 [dev]'s; Qwen3-4B's text geometry as its config.json is quoted publicly",
+        "stand_ins": "Qwen3-4B text encoder at its real geometry with 28 of 36 layers (the pipeline's hidden states "
+                     "9/18/27); Qwen2 tokenizer padded to 512 tokens",
+        "unverified": ["the scheduler config assumed FLUX.2 [dev]'s", "the VAE's BatchNorm statistics (weights: "
+                       "synthetic values)"],
+    },
+    "z_image": {
+        "checked": "transformer: Tongyi-MAI/Z-Image-Turbo's transformer/config.json as quoted verbatim by public "
+                   "ports (diffusers 0.42.1's constructor defaults but axes_lens (1536, 512, 512)); VAE: Flux.1's "
+                   "config, which Z-Image ships; scheduler: Turbo's (static shift 3.0)",
+        "stand_ins": "Qwen3-4B text encoder at its real geometry with 2 of 36 layers (hidden_states[-2] is then the "
+                     "first layer's); Qwen2 tokenizer, prompts padded to 512 tokens",
+        "unverified": ["the base model's scheduler config taken as Turbo's"],
+    },
 }
 
 
@@ -201,10 +255,12 @@ def full_size_pipeline(family: str, device: torch.device, dtype: torch.dtype):
     """The family's pipeline at its real dimensions, random weights made on `device` (nothing saved)."""
     from transformers import AutoTokenizer
 
+    from serve_app.models.tiny_flux2 import flux2_pipeline
     from serve_app.models.tiny_ltx2 import ltx2_pipeline
     from serve_app.models.tiny_qwen_image import qwen_image_pipeline
     from serve_app.models.tiny_sd3 import sd3_pipeline
     from serve_app.models.tiny_wan import wan_pipeline
+    from serve_app.models.tiny_z_image import z_image_pipeline
 
     tokenizer_dir = ensure_qwen2_tokenizer()
     with torch.device(device):
@@ -215,6 +271,10 @@ def full_size_pipeline(family: str, device: torch.device, dtype: torch.dtype):
             return qwen_image_pipeline("full", tokenizer=tokenizer, dtype=dtype)
         if family == "ltx2":
             return ltx2_pipeline("full", tokenizer=tokenizer, dtype=dtype)
+        if family in ("flux2", "flux2_klein"):
+            return flux2_pipeline("full-klein" if family == "flux2_klein" else "full", tokenizer=tokenizer, dtype=dtype)
+        if family == "z_image":
+            return z_image_pipeline("full", tokenizer=tokenizer, dtype=dtype)
         return wan_pipeline("full-i2v" if family == "wan_i2v" else "full", tokenizer=tokenizer, dtype=dtype)
 
 

@@ -38,11 +38,41 @@ Stand-ins, as for the other tiny families (no vocabulary can be fetched offline)
   with their own empirical formula (``compute_empirical_mu`` of the image tokens and the step count), so the
   config's base/max shift never enter. Klein's scheduler config is assumed to be the same (its pipeline computes
   its schedule the same way).
+
+Sizes ``full`` (FLUX.2 [dev]) and ``full-klein`` (FLUX.2 [klein] base 4B: the Apache-2.0 one, whose Qwen3-4B is the
+tiny klein's model, rather than the non-commercial 9B over Qwen3-8B): the released dimensions, for the GPU check
+(benchmarks/gpu_rollout.py), built in memory with :func:`flux2_pipeline`, never saved:
+
+* Confirmed against diffusers' scripts/convert_flux2_to_diffusers.py (its ``flux2-dev`` and ``klein-4b`` transformer
+  configs, and its VAE: ``AutoencoderKLFlux2()``, the constructor's defaults, into which it loads the released VAE
+  with strict=True, so every shape is the release's): [dev]'s transformer (8 double- and 48 single-stream blocks,
+  48 heads x 128, MLP ratio 3, 128 input channels, joint_attention_dim 15360 = 3 x 5120, RoPE axes 4 x 32 with theta
+  2000, guidance embedding; diffusers 0.42.1's constructor defaults all); klein 4B's (5 + 20 blocks, 24 heads x 128,
+  joint_attention_dim 7680 = 3 x 2560, no guidance embedding); the VAE (levels 128, 256, 512, 512 of 2 blocks, 32
+  norm groups, 32 latent channels, quant convs, 2x2 patches: 128 channels a token). Qwen3-4B's text geometry (width
+  2560, 32 query / 8 KV heads of 128, MLP 9728, 36 layers, tied embeddings) as its released config.json is quoted by
+  public ports; Mistral Small 3's text geometry (width 5120, 32 / 8 heads of 128, MLP 32768, 40 layers) likewise.
+* Not confirmed: the VAE's BatchNorm statistics (weights; the tiny's ramps here) and sample_size 1024 (the
+  constructor's, marked unsure in its source; it never enters a decode); klein's scheduler config (assumed [dev]'s,
+  as for the tiny).
+* Stand-ins. [klein]: Qwen3-4B at its real geometry with 28 of its 36 layers, the fewest whose hidden states 9, 18
+  and 27 the pipeline stacks. [dev]: Mistral Small 3.1 (24B; the conversion script takes 3.2's weights, the same
+  architecture) at its real width 5120 with 31 layers, the fewest for the states of layers 10, 20 and 30, but each
+  layer thinned to 4 query / 1 KV heads of 128 (the release's head size and 4:1 grouping; released 32 / 8) and an
+  MLP 1024 wide (released 32768): 1.5B parameters, 2.8 GiB in bf16. 31 released layers would be 17.2B (32 GiB), and
+  with the transformer's 60 GiB neither they nor the whole 24B (44 GiB) fit an 80 GB H100; the encoder runs once a
+  rollout on one prompt and its negative, so its layers' size moves no figure the check reports but the memory.
+  Both over the Qwen2 vocabulary with ``model_max_length`` 512 (the pipelines' ``max_sequence_length``), the tiny's
+  one-layer Pixtral tower, and the tiny's chat templates.
+* The [dev] transformer is made directly in the target dtype (the smaller components in float32, then cast): 32B
+  parameters in float32 would be 120 GiB, more than an H100 holds, and with the rest more than an H200.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -63,7 +93,7 @@ from .tokenizer_cache import load_tokenizer
 
 __all__ = ["FLUX2_SCHEDULER_CONFIG", "Flux2Size", "build_tiny_flux2", "flux2_pipeline"]
 
-Flux2Size = Literal["tiny", "tiny-klein"]
+Flux2Size = Literal["tiny", "tiny-klein", "full", "full-klein"]
 
 # FLUX.2 [dev]'s scheduler_config.json (diffusers/FLUX.2-dev-bnb-4bit, the diffusers team's copy of the release).
 FLUX2_SCHEDULER_CONFIG: dict[str, Any] = {
@@ -123,29 +153,55 @@ class _Spec:
     chat_template: str
     text_dim: int
     text_layers: int  # enough for the pipeline's deepest hidden-state layer to be a layer's output, not the last
+    text_heads: int
+    text_kv_heads: int
+    text_head_dim: int
+    text_ffn: int
     stacked_layers: int  # hidden-state layers the pipeline stacks: joint_attention_dim = stacked_layers x text_dim
+    double_layers: int
+    single_layers: int
     heads: int
     head_dim: int
     rope_axes: tuple[int, int, int, int]  # (time, row, column, text position); must sum to head_dim
     latent_channels: int
     vae_channels: tuple[int, ...]  # one level each: factor 2^(levels - 1)
+    vae_layers: int  # resnets per level
+    vae_groups: int  # GroupNorm groups
+    vae_sample_size: int
+    transformer_in_dtype: bool = False  # made in the target dtype, not float32 then cast (see the module docstring)
 
 
 _SPECS: dict[str, _Spec] = {
     "tiny": _Spec(klein=False, max_length=96, chat_template=MISTRAL_SMALL_CHAT_TEMPLATE, text_dim=16, text_layers=31,
-                  stacked_layers=3, heads=2, head_dim=16, rope_axes=(4, 4, 4, 4), latent_channels=4,
-                  vae_channels=(8, 16, 16, 16)),
+                  text_heads=2, text_kv_heads=1, text_head_dim=8, text_ffn=32, stacked_layers=3, double_layers=1,
+                  single_layers=1, heads=2, head_dim=16, rope_axes=(4, 4, 4, 4), latent_channels=4,
+                  vae_channels=(8, 16, 16, 16), vae_layers=1, vae_groups=4, vae_sample_size=32),
     "tiny-klein": _Spec(klein=True, max_length=48, chat_template=QWEN3_CHAT_TEMPLATE, text_dim=16, text_layers=28,
-                        stacked_layers=3, heads=2, head_dim=16, rope_axes=(4, 4, 4, 4), latent_channels=4,
-                        vae_channels=(8, 16, 16, 16)),
+                        text_heads=2, text_kv_heads=1, text_head_dim=8, text_ffn=32, stacked_layers=3,
+                        double_layers=1, single_layers=1, heads=2, head_dim=16, rope_axes=(4, 4, 4, 4),
+                        latent_channels=4, vae_channels=(8, 16, 16, 16), vae_layers=1, vae_groups=4,
+                        vae_sample_size=32),
+    # FLUX.2 [dev] as released, over a thinned 31-layer Mistral of the real width (the module docstring).
+    "full": _Spec(klein=False, max_length=512, chat_template=MISTRAL_SMALL_CHAT_TEMPLATE, text_dim=5120,
+                  text_layers=31, text_heads=4, text_kv_heads=1, text_head_dim=128, text_ffn=1024, stacked_layers=3,
+                  double_layers=8, single_layers=48, heads=48, head_dim=128, rope_axes=(32, 32, 32, 32),
+                  latent_channels=32, vae_channels=(128, 256, 512, 512), vae_layers=2, vae_groups=32,
+                  vae_sample_size=1024, transformer_in_dtype=True),
+    # FLUX.2 [klein] base 4B as released, over Qwen3-4B with 28 of its 36 layers.
+    "full-klein": _Spec(klein=True, max_length=512, chat_template=QWEN3_CHAT_TEMPLATE, text_dim=2560,
+                        text_layers=28, text_heads=32, text_kv_heads=8, text_head_dim=128, text_ffn=9728,
+                        stacked_layers=3, double_layers=5, single_layers=20, heads=24, head_dim=128,
+                        rope_axes=(32, 32, 32, 32), latent_channels=32, vae_channels=(128, 256, 512, 512),
+                        vae_layers=2, vae_groups=32, vae_sample_size=1024),
 }
 
 
 def _mistral3(spec: _Spec) -> Mistral3ForConditionalGeneration:
     text = {
         "model_type": "mistral", "vocab_size": QWEN2_VOCAB_SIZE, "hidden_size": spec.text_dim,
-        "intermediate_size": 2 * spec.text_dim, "num_hidden_layers": spec.text_layers, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": spec.text_dim // 2, "max_position_embeddings": 4 * spec.max_length,
+        "intermediate_size": spec.text_ffn, "num_hidden_layers": spec.text_layers,
+        "num_attention_heads": spec.text_heads, "num_key_value_heads": spec.text_kv_heads,
+        "head_dim": spec.text_head_dim, "max_position_embeddings": 4 * spec.max_length,
         "sliding_window": None, "pad_token_id": QWEN2_PAD_ID, "bos_token_id": QWEN2_PAD_ID,
         "eos_token_id": QWEN2_EOS_ID,
     }
@@ -159,8 +215,9 @@ def _mistral3(spec: _Spec) -> Mistral3ForConditionalGeneration:
 
 def _qwen3(spec: _Spec) -> Qwen3ForCausalLM:
     config = Qwen3Config(
-        vocab_size=QWEN2_VOCAB_SIZE, hidden_size=spec.text_dim, intermediate_size=2 * spec.text_dim,
-        num_hidden_layers=spec.text_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=spec.text_dim // 2,
+        vocab_size=QWEN2_VOCAB_SIZE, hidden_size=spec.text_dim, intermediate_size=spec.text_ffn,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads, head_dim=spec.text_head_dim,
         max_position_embeddings=4 * spec.max_length, tie_word_embeddings=True,  # as Qwen3-4B
         pad_token_id=QWEN2_PAD_ID, bos_token_id=QWEN2_PAD_ID, eos_token_id=QWEN2_EOS_ID,
     )
@@ -173,7 +230,8 @@ def _text_encoder(spec: _Spec) -> torch.nn.Module:
 
 def _transformer(spec: _Spec) -> Flux2Transformer2DModel:
     transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=4 * spec.latent_channels, num_layers=1, num_single_layers=1,
+        patch_size=1, in_channels=4 * spec.latent_channels, num_layers=spec.double_layers,
+        num_single_layers=spec.single_layers,
         attention_head_dim=spec.head_dim, num_attention_heads=spec.heads,
         joint_attention_dim=spec.stacked_layers * spec.text_dim, axes_dims_rope=spec.rope_axes, rope_theta=2000,
         guidance_embeds=not spec.klein,
@@ -191,8 +249,8 @@ def _vae(spec: _Spec) -> AutoencoderKLFlux2:
     levels = len(spec.vae_channels)
     vae = AutoencoderKLFlux2(
         down_block_types=("DownEncoderBlock2D",) * levels, up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=spec.vae_channels, layers_per_block=1, latent_channels=spec.latent_channels,
-        norm_num_groups=4, sample_size=32, patch_size=(2, 2),
+        block_out_channels=spec.vae_channels, layers_per_block=spec.vae_layers, latent_channels=spec.latent_channels,
+        norm_num_groups=spec.vae_groups, sample_size=spec.vae_sample_size, patch_size=(2, 2),
     )
     # Released statistics are far from (0, 1); these make the pipeline's BatchNorm (de)normalisation visible.
     channels = vae.bn.num_features
@@ -204,9 +262,20 @@ def _vae(spec: _Spec) -> AutoencoderKLFlux2:
     return vae.eval()
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules made in the block get parameters of `dtype` (float32 changes nothing)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def flux2_pipeline(size: Flux2Size, *, tokenizer: Any, seed: int = 0,
                    dtype: torch.dtype = torch.float32) -> Flux2Pipeline | Flux2KleinPipeline:
-    """A random-weight FLUX.2 pipeline of `size` (``Flux2KleinPipeline`` for ``tiny-klein``) in `dtype`, in memory,
+    """A random-weight FLUX.2 pipeline of `size` (``Flux2KleinPipeline`` for the klein sizes) in `dtype`, in memory,
     on the current default device; bit-reproducible for a given `seed` (:func:`seeded_components`). `tokenizer` gets
     the size's ``model_max_length`` and chat template."""
     if size not in _SPECS:
@@ -214,8 +283,14 @@ def flux2_pipeline(size: Flux2Size, *, tokenizer: Any, seed: int = 0,
     spec = _SPECS[size]
     tokenizer.model_max_length = spec.max_length
     tokenizer.chat_template = spec.chat_template
-    makers = [("transformer", _transformer), ("vae", _vae), ("text_encoder", _text_encoder)]
-    components = seeded_components([(name, lambda make=make: make(spec), seed) for name, make in makers], dtype)
+    made_in = dtype if spec.transformer_in_dtype else torch.float32
+
+    def transformer() -> Flux2Transformer2DModel:
+        with _default_dtype(made_in):
+            return _transformer(spec)
+
+    makers = [("transformer", transformer), ("vae", lambda: _vae(spec)), ("text_encoder", lambda: _text_encoder(spec))]
+    components = seeded_components([(name, make, seed) for name, make in makers], dtype)
     with torch.device("cpu"):  # a scheduler keeps its tables on the CPU, as when loaded
         scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG)
     if spec.klein:

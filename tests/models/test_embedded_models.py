@@ -421,3 +421,120 @@ def test_the_gpu_checks_ltx2_build_is_ltx2_19b(tokenizer_dir: Path) -> None:
         velocity = policy.predict(latents, torch.full((8,), 0.5), text, height=512, width=768)
         assert velocity.shape == latents.shape
         assert type(ltx2_pipeline("full-i2v", tokenizer=tokenizer, dtype=torch.bfloat16)) is LTX2ImageToVideoPipeline
+
+
+def _billions(pipe, names=("transformer", "vae", "text_encoder")) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    return {name: sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e9 for name in names}
+
+
+def test_the_gpu_checks_flux2_build_is_flux2_dev_32b(tokenizer_dir: Path) -> None:
+    """The GPU check's full-size FLUX.2 [dev] (benchmarks/gpu_rollout.py), built on the meta device: the released
+    transformer, published as "32B" (Black Forest Labs' FLUX.2 [dev] model card and announcement); the exact
+    32,223,281,152 is computed here from diffusers' flux2-dev conversion config. The text encoder is a stand-in: 31
+    thinned layers of Mistral Small 3.1's width (the module docstring of tiny_flux2). Our policy's forward runs at
+    the check's shape (1024 x 1024, a group of 2 and its CFG rows), so a device call is not the first to run it."""
+    from diffusers import Flux2Pipeline
+    from transformers import AutoTokenizer
+
+    from serve_app.models.tiny_flux2 import flux2_pipeline
+    from serve_app.policies import policy_class
+    from serve_app.schemas import PromptEmbeds
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)  # the build sets its length
+    with torch.device("meta"):
+        pipe = flux2_pipeline("full", tokenizer=tokenizer, dtype=torch.bfloat16)
+    # The transformer is made in bf16 (32B in float32 fits no device), and the default dtype is left as it was.
+    assert torch.get_default_dtype() == torch.float32
+    assert {p.dtype for p in pipe.transformer.parameters()} == {torch.bfloat16}
+    billions = _billions(pipe)
+    assert type(pipe) is Flux2Pipeline
+    assert round(billions["transformer"]) == 32 and 32.22 < billions["transformer"] < 32.23
+    # Computed, not published: the VAE (every shape the release's: the conversion loads it strictly into the
+    # constructor's defaults), and the stand-in encoder (the real 24B would not fit an H100 beside the transformer).
+    assert 0.083 < billions["vae"] < 0.085 and 1.49 < billions["text_encoder"] < 1.50
+    config = pipe.transformer.config
+    assert (config.num_layers, config.num_single_layers, config.num_attention_heads) == (8, 48, 48)
+    assert config.in_channels == 128 and config.mlp_ratio == 3.0
+    assert config.joint_attention_dim == 3 * 5120 and config.guidance_embeds
+    text = pipe.text_encoder.config.get_text_config()
+    assert (text.hidden_size, text.num_hidden_layers) == (5120, 31)  # the pipeline stacks layers 10, 20 and 30
+    assert pipe.vae.config.latent_channels == 32 and pipe.vae_scale_factor == 8 and tokenizer.model_max_length == 512
+    meta = torch.device("meta")
+    policy = policy_class("flux2").from_pipeline(pipe, device=meta, dtype=torch.bfloat16)
+    assert policy.latent_shape(1024, 1024) == (64 * 64, 128)
+    with meta:
+        latents = torch.randn(4, *policy.latent_shape(1024, 1024))
+        text_embeds = PromptEmbeds(torch.randn(4, 512, 3 * 5120), torch.ones(4, 512, dtype=torch.bool))
+        velocity = policy.predict(latents, torch.full((4,), 0.5), text_embeds, height=1024, width=1024)
+        assert velocity.shape == latents.shape
+        assert policy.decode(latents[:2], height=1024, width=1024).shape == (2, 3, 1024, 1024)
+
+
+def test_the_gpu_checks_flux2_klein_build_is_klein_4b(tokenizer_dir: Path) -> None:
+    """The GPU check's full-size FLUX.2 [klein] (the 4B base, Apache 2.0), on the meta device: the released
+    transformer, published as "4B" (Black Forest Labs' FLUX.2 [klein] 4B model card); the exact 3,875,544,576 is
+    computed from diffusers' klein-4b conversion config. Qwen3-4B at its real geometry with 28 of its 36 layers.
+    Our policy's forward at the check's shape (1024 x 1024, a group of 8 and its CFG rows)."""
+    from diffusers import Flux2KleinPipeline
+    from transformers import AutoTokenizer
+
+    from serve_app.models.tiny_flux2 import flux2_pipeline
+    from serve_app.policies import policy_class
+    from serve_app.schemas import PromptEmbeds
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    with torch.device("meta"):
+        pipe = flux2_pipeline("full-klein", tokenizer=tokenizer, dtype=torch.bfloat16)
+    billions = _billions(pipe)
+    assert type(pipe) is Flux2KleinPipeline and not pipe.config.is_distilled
+    assert round(billions["transformer"]) == 4 and 3.87 < billions["transformer"] < 3.88
+    # Computed: Qwen3-4B's 36 layers would be 4.0B (as published) with the embeddings; 28 of them here.
+    assert 3.21 < billions["text_encoder"] < 3.22
+    config = pipe.transformer.config
+    assert (config.num_layers, config.num_single_layers, config.num_attention_heads) == (5, 20, 24)
+    assert config.joint_attention_dim == 3 * 2560 and not config.guidance_embeds
+    assert (pipe.text_encoder.config.hidden_size, pipe.text_encoder.config.num_hidden_layers) == (2560, 28)
+    meta = torch.device("meta")
+    policy = policy_class("flux2_klein").from_pipeline(pipe, device=meta, dtype=torch.bfloat16)
+    with meta:
+        latents = torch.randn(16, *policy.latent_shape(1024, 1024))
+        text_embeds = PromptEmbeds(torch.randn(16, 512, 3 * 2560), torch.ones(16, 512, dtype=torch.bool))
+        velocity = policy.predict(latents, torch.full((16,), 0.5), text_embeds, height=1024, width=1024)
+        assert velocity.shape == latents.shape == (16, 4096, 128)
+
+
+def test_the_gpu_checks_z_image_build_is_z_image_6b(tokenizer_dir: Path) -> None:
+    """The GPU check's full-size Z-Image, on the meta device: the released single-stream transformer, published as
+    "6B" (Tongyi-MAI's Z-Image model cards); the exact 6,154,908,736 is computed from the released config (as
+    quoted by public ports), and agrees with the 24.62 GB a public deployment note gives for Z-Image-Turbo's float32
+    transformer weights (4 bytes a parameter). The Flux.1 VAE; Qwen3-4B at its real geometry with 2 of 36 layers.
+    Our policy's forward at the check's shape (1024 x 1024, a group of 8 and its CFG rows)."""
+    from diffusers import ZImagePipeline
+    from transformers import AutoTokenizer
+
+    from serve_app.models.tiny_z_image import z_image_pipeline
+    from serve_app.policies import policy_class
+    from serve_app.schemas import PromptEmbeds
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    with torch.device("meta"):
+        pipe = z_image_pipeline("full", tokenizer=tokenizer, dtype=torch.bfloat16)
+    billions = _billions(pipe)
+    assert type(pipe) is ZImagePipeline
+    assert round(billions["transformer"]) == 6 and 6.154 < billions["transformer"] < 6.155
+    # Computed: the Flux.1 VAE's 83.8M; the encoder's 2 layers and its embeddings.
+    assert 0.0838 < billions["vae"] < 0.0839 and 0.59 < billions["text_encoder"] < 0.60
+    config = pipe.transformer.config
+    assert (config.dim, config.n_layers, config.n_refiner_layers, config.n_heads, config.cap_feat_dim) == (
+        3840, 30, 2, 30, 2560)
+    assert list(config.axes_lens) == [1536, 512, 512] and pipe.vae_scale_factor == 8
+    assert tokenizer.model_max_length == 512
+    meta = torch.device("meta")
+    policy = policy_class("z_image").from_pipeline(pipe, device=meta, dtype=torch.bfloat16)
+    assert policy.latent_shape(1024, 1024) == (16, 128, 128)
+    with meta:
+        latents = torch.randn(16, *policy.latent_shape(1024, 1024))
+        # The mask stays on the CPU: the policy reads each caption's length from it (a meta tensor has no values).
+        captions = PromptEmbeds(torch.randn(16, 32, 2560), torch.ones(16, 32, dtype=torch.bool, device="cpu"))
+        velocity = policy.predict(latents, torch.full((16,), 0.5), captions, height=1024, width=1024)
+        assert velocity.shape == latents.shape
