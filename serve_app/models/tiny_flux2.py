@@ -87,9 +87,8 @@ from diffusers import (
 )
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
-from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
+from .tiny_parts import build_with_qwen2_tokenizer, seeded_components
 from .tokenizer import QWEN2_ADDED_TOKENS, QWEN2_EOS_ID, QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
-from .tokenizer_cache import load_tokenizer
 
 __all__ = ["FLUX2_SCHEDULER_CONFIG", "Flux2Size", "build_tiny_flux2", "flux2_pipeline"]
 
@@ -303,8 +302,5 @@ def build_tiny_flux2(out_dir: Path, *, size: Flux2Size = "tiny", seed: int = 0,
     """Builds a tiny random-weight FLUX.2 pipeline (`size`: the module docstring's layout) on the CPU and saves it
     (float32 safetensors), bit-reproducibly (:func:`flux2_pipeline`). ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
-    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        with torch.device("cpu"):
-            pipe = flux2_pipeline(size, tokenizer=tokenizer, seed=seed)
-        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])
+    return build_with_qwen2_tokenizer(lambda tokenizer: flux2_pipeline(size, tokenizer=tokenizer, seed=seed), out_dir,
+                                      tokenizer_dir)

@@ -90,9 +90,8 @@ from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
+from .tiny_parts import build_with_qwen2_tokenizer, seeded_components
 from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
-from .tokenizer_cache import load_tokenizer
 
 __all__ = ["LTX2Size", "build_tiny_ltx2", "ltx2_pipeline"]
 
@@ -291,8 +290,5 @@ def build_tiny_ltx2(out_dir: Path, *, size: LTX2Size = "tiny", seed: int = 0, to
     """Builds a tiny random-weight ``LTX2Pipeline`` (`size`: the module docstring's layout) on the CPU and
     saves it (float32 safetensors), bit-reproducibly (:func:`ltx2_pipeline`). ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
-    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        with torch.device("cpu"):
-            pipe = ltx2_pipeline(size, tokenizer=tokenizer, seed=seed)
-        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])
+    return build_with_qwen2_tokenizer(lambda tokenizer: ltx2_pipeline(size, tokenizer=tokenizer, seed=seed), out_dir,
+                                      tokenizer_dir)

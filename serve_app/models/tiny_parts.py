@@ -117,6 +117,16 @@ def qwen2_tokenizer(tokenizer_dir: Path | None) -> Iterator[Path]:
         yield build_qwen2_tokenizer(Path(scratch) / "tokenizer")
 
 
+def build_with_qwen2_tokenizer(make: Callable[[Any], Any], out_dir: Path, tokenizer_dir: Path | None) -> Path:
+    """Save ``make(tokenizer)``, a pipeline built on the CPU over the Qwen2 tokenizer (:func:`qwen2_tokenizer`),
+    which its one ``tokenizer`` slot then holds."""
+    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        with torch.device("cpu"):
+            pipe = make(tokenizer)
+        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])
+
+
 def save_pipeline(pipe: Any, out_dir: Path, *, tokenizer_dir: Path, slots: Iterable[str]) -> Path:
     """Save a built pipeline (float32 safetensors) and put the tokenizer's fast-tokenizer file in each slot."""
     out_dir = Path(out_dir)

@@ -59,9 +59,8 @@ from diffusers import (
 )
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
-from .tiny_parts import qwen2_tokenizer, save_pipeline, seeded_components
+from .tiny_parts import build_with_qwen2_tokenizer, seeded_components
 from .tokenizer import QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
-from .tokenizer_cache import load_tokenizer
 
 __all__ = ["WanSize", "build_tiny_wan", "wan_pipeline"]
 
@@ -243,8 +242,5 @@ def build_tiny_wan(out_dir: Path, *, size: WanSize = "tiny", seed: int = 0, toke
     """Builds a tiny random-weight ``WanPipeline`` / ``WanImageToVideoPipeline`` (`size`: one of the module docstring's layouts) on the
     CPU and saves it (float32 safetensors), bit-reproducibly (:func:`wan_pipeline`). ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
-    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        with torch.device("cpu"):
-            pipe = wan_pipeline(size, tokenizer=tokenizer, seed=seed)
-        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])
+    return build_with_qwen2_tokenizer(lambda tokenizer: wan_pipeline(size, tokenizer=tokenizer, seed=seed), out_dir,
+                                      tokenizer_dir)

@@ -62,9 +62,8 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
-from .tiny_parts import kl_vae, qwen2_tokenizer, save_pipeline, seeded_components
+from .tiny_parts import build_with_qwen2_tokenizer, kl_vae, seeded_components
 from .tokenizer import QWEN2_EOS_ID, QWEN2_PAD_ID, QWEN2_VOCAB_SIZE
-from .tokenizer_cache import load_tokenizer
 
 __all__ = ["QWEN3_CHAT_TEMPLATE", "ZImageSize", "build_tiny_z_image", "z_image_pipeline"]
 
@@ -163,8 +162,5 @@ def build_tiny_z_image(out_dir: Path, *, size: ZImageSize = "tiny", seed: int = 
     """Builds a tiny random-weight ``ZImagePipeline`` (`size`: the module docstring's layout) on the CPU and
     saves it (float32 safetensors), bit-reproducibly (:func:`z_image_pipeline`). ``tokenizer_dir`` is a
     :func:`build_qwen2_tokenizer` output; without it one is built (~3 s)."""
-    with qwen2_tokenizer(tokenizer_dir) as tokenizer_dir:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        with torch.device("cpu"):
-            pipe = z_image_pipeline(size, tokenizer=tokenizer, seed=seed)
-        return save_pipeline(pipe, out_dir, tokenizer_dir=tokenizer_dir, slots=["tokenizer"])
+    return build_with_qwen2_tokenizer(lambda tokenizer: z_image_pipeline(size, tokenizer=tokenizer, seed=seed), out_dir,
+                                      tokenizer_dir)
