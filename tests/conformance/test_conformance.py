@@ -18,7 +18,8 @@ from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.serving.ingress import RolloutPlanner
 from serve_app.media import to_uint8
 from serve_app.schemas import RolloutRequest, SamplingParams
-from serve_app.weights import BASE_HASH, WeightStore
+from serve_app.weights import BASE_HASH, LoraSpec, WeightStore
+from serve_app.weights.versions import content_hash
 
 from tests.conformance.conftest import (
     CHECKPOINTS,
@@ -182,6 +183,41 @@ def test_versions_are_pinned_and_stamped(conformance_policies, engine_name, chec
         unpublished = dataclasses.replace(_chunks(planner, ["a cat"], seed=4)[0], policy_version=5)
         (result,), _ = engine.generate([unpublished])
         assert isinstance(result, PolicyVersionError) and "5" in str(result)
+    finally:
+        engine.prefetch(0)  # the session's policy goes back to the base weights
+
+
+def _lora_version(transformer: torch.nn.Module) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A rank-2 adapter of the transformer's last linear layer (every family has one, whatever its names), with
+    non-zero A and B so the version changes what the model samples."""
+    name, layer = [(n, m) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+    g = torch.Generator().manual_seed(1)
+    return LoraSpec(rank=2, alpha=2.0, target_modules=[name]), {
+        f"{name}.lora_A.weight": 0.3 * torch.randn(2, layer.in_features, generator=g),
+        f"{name}.lora_B.weight": 0.3 * torch.randn(layer.out_features, 2, generator=g),
+    }
+
+
+@pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
+def test_lora_versions_are_read_back_pinned_and_stamped(conformance_policies, engine_name, checkpoint, tmp_path):
+    policy = conformance_policies(checkpoint)
+    store = WeightStore(tmp_path / "weights")
+    engine = ENGINES[engine_name](policy, store)
+    planner = _planner(policy, checkpoint_sampling(checkpoint, SAMPLING), store)
+    spec, tensors = _lora_version(policy.transformer)
+    try:
+        base = _one(engine, _chunks(planner, ["a cat"], seed=4)[0])
+        store.publish(1, tensors, kind="lora", lora=spec)
+        stored = store.load(1)  # read back as published, under the hash of its content
+        assert stored.kind == "lora" and stored.lora == spec and stored.tensors.keys() == tensors.keys()
+        assert all(torch.equal(stored.tensors[k], tensors[k]) for k in tensors)
+        assert stored.content_hash == content_hash(tensors, spec) == store.published_hash(1) != BASE_HASH
+        v1 = _one(engine, _chunks(planner, ["a cat"], seed=4, version=1)[0])
+        assert v1.policy_version == 1 and v1.weights_hash == stored.content_hash
+        assert float((v1.latents[:, -1] - base.latents[:, -1]).abs().max()) > 1e-3
+        assert replay_verdict(policy, v1).ok  # ratio 1 with the adapter too
+        again = _one(engine, _chunks(planner, ["a cat"], seed=4, version=0)[0])
+        torch.testing.assert_close(again.latents, base.latents, atol=1e-6, rtol=0)
     finally:
         engine.prefetch(0)  # the session's policy goes back to the base weights
 
