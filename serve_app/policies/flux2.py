@@ -95,22 +95,12 @@ class Flux2TextProcessor(SingleTokenizerTextProcessor):
     # apply_chat_template tokenizes without special tokens (a processor too, its template writing the BOS itself).
     add_special_tokens: ClassVar[bool] = False
 
-    @classmethod
-    def length_of(cls, tokenizer: Any) -> int:
-        return super().length_of(text_tokenizer(tokenizer))
+    unwrap = staticmethod(text_tokenizer)
 
     def format(self, prompt: str) -> str:
         (messages,) = format_input([prompt], system_message=SYSTEM_MESSAGE)
         return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(messages, tokenize=False,
                                                                    add_generation_prompt=False)
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        encoded = text_tokenizer(self._tokenizer(TOKENIZER_SLOT))(
-            [self.format(p) for p in prompts], max_length=self.max_sequence_length, truncation=True, padding=False,
-            add_special_tokens=self.add_special_tokens,
-        )
-        return [PromptTokens(text=p, token_ids={TOKENIZER_SLOT: torch.tensor(ids, dtype=torch.long)})
-                for p, ids in zip(prompts, encoded["input_ids"])]
 
 
 class Flux2KleinTextProcessor(Flux2TextProcessor):

@@ -23,6 +23,12 @@ class SingleTokenizerTextProcessor(TextProcessor):
 
     family_name: ClassVar[str]  # as errors name the family
     default_max_length: ClassVar[int]  # the stock `__call__`'s max_sequence_length
+    add_special_tokens: ClassVar[bool] = True  # as the stock pipeline tokenizes the formatted text
+
+    @staticmethod
+    def unwrap(tokenizer: Any) -> Any:
+        """The tokenizer proper of what the checkout's slot holds (a processor may wrap one)."""
+        return tokenizer
 
     def __init__(self, tokenizers: dict[str, Any]) -> None:
         if tokenizers.get(TOKENIZER_SLOT) is None:
@@ -33,11 +39,12 @@ class SingleTokenizerTextProcessor(TextProcessor):
     @classmethod
     def length_of(cls, tokenizer: Any) -> int:
         """Text positions the encoder sees: the stock default, capped by the tokenizer's own limit."""
-        return min(cls.default_max_length, int(tokenizer.model_max_length))
+        return min(cls.default_max_length, int(cls.unwrap(tokenizer).model_max_length))
 
     def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        encoded = self._tokenizer(TOKENIZER_SLOT)(
+        encoded = self.unwrap(self._tokenizer(TOKENIZER_SLOT))(
             [self.format(p) for p in prompts], max_length=self.max_sequence_length, truncation=True, padding=False,
+            add_special_tokens=self.add_special_tokens,
         )
         return [PromptTokens(text=p, token_ids={TOKENIZER_SLOT: torch.tensor(ids, dtype=torch.long)})
                 for p, ids in zip(prompts, encoded["input_ids"])]
