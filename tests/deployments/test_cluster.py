@@ -9,7 +9,7 @@ this module and deleted at its end. Requests are bounded in number and time.
 import base64
 import io
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import httpx
 import pytest
@@ -213,17 +213,26 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
     sampling = {"num_steps": 8, "sde_window_range": [0, 5]}
     reference = client.rollout(["a pinned cat"], 4, sampling, policy_version=1, seed=5).trajectory
     assert reference.policy_version == 1
+    # Six requests stay in flight until the second replica runs: the load never pauses between rounds, where
+    # a pause longer than the downscale delay could stop a replica that a loaded machine is still starting.
+    def request(i: int):
+        return client.rollout(["a pinned cat"], 4, sampling, 1, 5) if i % 6 == 0 else client.rollout([f"load {i}"], 4, sampling, 1)
+
     deadline = time.monotonic() + 120
-    peak, pinned = 1, []
+    peak, pinned, sent = 1, [], 6
     with ThreadPoolExecutor(6) as pool:
-        while time.monotonic() < deadline and peak < 2:
-            futures = [pool.submit(client.rollout, [f"load {i}"], 4, sampling, 1) for i in range(5)]
-            futures.append(pool.submit(client.rollout, ["a pinned cat"], 4, sampling, 1, 5))
-            for f in futures:
-                f.result(timeout=300)
-                peak = max(peak, _running_replicas())
-            pinned.append(futures[-1].result().trajectory)
-    assert peak == 2
+        in_flight = {pool.submit(request, i): i for i in range(sent)}
+        while in_flight:
+            done, _ = wait(in_flight, timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                batch = future.result()
+                if in_flight.pop(future) % 6 == 0:
+                    pinned.append(batch.trajectory)
+                if peak < 2 and time.monotonic() < deadline:
+                    in_flight[pool.submit(request, sent)] = sent
+                    sent += 1
+            peak = max(peak, _running_replicas())
+    assert peak == 2 and pinned
     # Keep asking after the scale-up, so requests reach the new replica too; these batches' tensors stay
     # where the replicas made them (fetch=False) until after the scale-down.
     # On a loaded machine the new replica may take its first requests a few rounds later: rounds of 8 go out
