@@ -9,6 +9,8 @@ as their final latents alone (`sampling.record final`), so no log-prob crosses t
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,21 +28,35 @@ class FinalLatentMismatchError(RuntimeError):
 @dataclass(frozen=True)
 class ForwardDraws:
     """`draws` forward-process points of every sample: t [B, D] in the t range, x_t and v_target = eps - x0
-    [B, D, ...]; drawn from one generator, so they depend on the seed and the batch alone."""
+    [B, D, ...]; each sample's from a generator of its own (forward_generators), so a sample's draws do not depend
+    on which other samples share its batch or its rank."""
 
     t: torch.Tensor
     x_t: torch.Tensor
     v_target: torch.Tensor
 
     @staticmethod
-    def of(x0: torch.Tensor, draws: int, t_range: tuple[float, float], generator: torch.Generator) -> ForwardDraws:
+    def of(x0: torch.Tensor, draws: int, t_range: tuple[float, float],
+           generators: Sequence[torch.Generator]) -> ForwardDraws:
+        if len(generators) != x0.shape[0]:
+            raise ValueError(f"one generator per sample: {len(generators)} for {x0.shape[0]} samples")
         lo, hi = t_range
         x0 = x0.float()
-        t = lo + (hi - lo) * torch.rand(x0.shape[0], draws, generator=generator)
-        eps = torch.randn((x0.shape[0], draws, *x0.shape[1:]), generator=generator)
+        t = torch.stack([lo + (hi - lo) * torch.rand(draws, generator=g) for g in generators])
+        eps = torch.stack([torch.randn((draws, *x0.shape[1:]), generator=g) for g in generators])
         column = t.reshape(*t.shape, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - column) * x0[:, None] + column * eps
         return ForwardDraws(t, x_t, eps - x0[:, None])
+
+
+def forward_generators(update_seed: int, epoch: int, sample_seeds: torch.Tensor) -> list[torch.Generator]:
+    """One generator per sample for its forward draws in pass `epoch` of the update seeded `update_seed`, keyed by
+    the sample's own seed: data-parallel ranks, each holding a shard of the batch, draw what one process would."""
+    generators = []
+    for sample_seed in sample_seeds.tolist():
+        key = hashlib.blake2b(f"{update_seed}/{epoch}/{sample_seed}".encode(), digest_size=8).digest()
+        generators.append(torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1))
+    return generators
 
 
 def final_latents(trajectory: Trajectory) -> torch.Tensor:

@@ -25,7 +25,8 @@ from serve_app.trainer.faults import crash_point
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import (clipped_ratio_loss, clipped_surrogate, grpo_guard_step_weight, loss_stats,
                                     nft_loss, nft_optimality, ratio_norm_log_ratio)
-from serve_app.trainer.nft import ForwardDraws, check_final_latents, conditional_velocity, final_latents
+from serve_app.trainer.nft import (ForwardDraws, check_final_latents, conditional_velocity, final_latents,
+                                  forward_generators)
 from serve_app.trainer.mismatch import MismatchMonitor
 from serve_app.trainer.parallel import DataParallel, scalar
 
@@ -166,7 +167,8 @@ class PolicyUpdate:
         batch = len(trajectory)
         generator = torch.Generator().manual_seed(seed)
         behaviour = contextlib.nullcontext() if current else self.model.at_version(trajectory.policy_version)
-        draws = [ForwardDraws.of(x0, nft.draws, nft.t_range, generator) for _ in range(cfg.inner_epochs)]
+        draws = [ForwardDraws.of(x0, nft.draws, nft.t_range, forward_generators(seed, epoch, trajectory.seeds))
+                 for epoch in range(cfg.inner_epochs)]
         with behaviour:
             if nft.check_rows:
                 rows = torch.randperm(batch, generator=generator)[: nft.check_rows]

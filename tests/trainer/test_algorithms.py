@@ -11,7 +11,7 @@ from serve_app.trainer.algorithms import mix_grpo_window_start, rollout_sampling
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.loss import nft_optimality
 from serve_app.trainer.nft import (FinalLatentMismatchError, ForwardDraws, check_final_latents, conditional_velocity,
-                                   final_latents)
+                                   final_latents, forward_generators)
 from serve_app.trainer.parallel import DataParallel
 from serve_app.trainer.update import PolicyUpdate
 
@@ -159,7 +159,7 @@ def test_diffusion_nft_update_lowers_the_error_of_the_good_samples_and_raises_th
     cfg = config("trainer.lr=3e-3", "trainer.inner_epochs=1", "trainer.micro_batch_size=8", *NFT)
     update = PolicyUpdate(cfg.trainer, load_policy(tiny_qwen_dir, family="qwen_image"), DataParallel())
     x0 = final_latents(trajectory)
-    probe = ForwardDraws.of(x0, 4, (0.05, 0.95), torch.Generator().manual_seed(99))
+    probe = ForwardDraws.of(x0, 4, (0.05, 0.95), forward_generators(99, 0, trajectory.seeds))
     rows = torch.arange(len(trajectory))
 
     def errors() -> torch.Tensor:

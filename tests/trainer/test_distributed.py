@@ -70,33 +70,49 @@ def assert_same_update(single: dict[str, torch.Tensor], parallel: dict[str, torc
 
 
 @pytest.fixture(scope="module")
-def rollout(start_local_app, tmp_path_factory):
-    """The fixed batch: 2 prompts x 4 samples from the app at version 0, with the trainer's own sampling."""
+def app_client(start_local_app, tmp_path_factory):
+    """The tiny model's app in Serve's local testing mode, at version 0."""
     from serve_app.client import RolloutClient
 
-    tmp = tmp_path_factory.mktemp("dp_rollout")
-    config = trainer_config(tmp, "app")
-    handle = start_local_app("diffusion_rollout", [*SHARED, f"replica.weights_dir={tmp / 'app' / 'weights'}"],
-                             name="dp-rollout")
-    batch = RolloutClient(handle=handle).rollout(config.trainer.prompts[:2], 4, sampling=config.sampling,
-                                                 policy_version=0, seed=11)
+    tmp = tmp_path_factory.mktemp("dp_app")
+    handle = start_local_app("diffusion_rollout", [*SHARED, f"replica.weights_dir={tmp / 'weights'}"], name="dp-rollout")
+    return RolloutClient(handle=handle)
+
+
+def fixed_batch(client, config):
+    """2 prompts x 4 samples at version 0, sampled as the configured algorithm's first rollout asks."""
+    from serve_app.trainer.algorithms import rollout_sampling
+
+    sampling = rollout_sampling(config.trainer, config.sampling, 0)
+    batch = client.rollout(config.trainer.prompts[:2], 4, sampling=sampling, policy_version=0, seed=11)
     assert float(batch.advantages.abs().min()) > 0  # every row carries signal
     return batch
 
 
 @pytest.fixture(scope="module")
-def one_process(rollout, tmp_path_factory):
-    """The reference: one process trains on the whole batch (world size 1) and publishes version 1."""
+def rollout(app_client, tmp_path_factory):
+    """The fixed batch, with the trainer's own sampling."""
+    return fixed_batch(app_client, trainer_config(tmp_path_factory.mktemp("dp_rollout"), "app"))
+
+
+def train_in_one_process(config, batch, out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """The reference: one process trains on the whole batch (world size 1) and publishes version 1; returns
+    the published tensors, the tensors before and the step's metrics row."""
     from serve_app.trainer.loop import FlowGRPOTrainer, load_trainer_policy
 
-    tmp = tmp_path_factory.mktemp("dp_single")
-    config = trainer_config(tmp, "single")
-    trainer = FlowGRPOTrainer(config, fixed_source(rollout), tmp / "single" / "out", policy=load_trainer_policy(config),
-                              progress=False)
+    trainer = FlowGRPOTrainer(config, fixed_source(batch), out, policy=load_trainer_policy(config), progress=False)
     base = trainer.model.publishable_state()
     row = trainer.train_step()
-    assert row["onpolicy_ratio_dev"] < 1e-6 and trainer.parallel.world_size == 1
-    return published(config), base
+    assert trainer.parallel.world_size == 1
+    return published(config), base, row
+
+
+@pytest.fixture(scope="module")
+def one_process(rollout, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp_single")
+    single, base, row = train_in_one_process(trainer_config(tmp, "single"), rollout, tmp / "single" / "out")
+    assert row["onpolicy_ratio_dev"] < 1e-6
+    return single, base
 
 
 def test_shards_are_equal_blocks_of_whole_groups():
@@ -286,6 +302,25 @@ def test_fsdp_shards_give_the_one_process_update_and_a_mismatch_on_one_rank_stop
     from serve_app.weights import open_weight_store
 
     assert open_weight_store(mismatch).versions() == []
+
+
+@pytest.mark.slow
+def test_diffusion_nft_on_two_ranks_gives_the_one_process_update(app_client, tmp_path):
+    """trainer.algorithm diffusion_nft data-parallel (ddp on gloo): each rank draws the forward process of its
+    shard's final latents and checks two of its rollouts by regenerating them; the gradients are averaged as the
+    ratio-based update's are, so version 1 is the one-process one."""
+    nft = ("trainer.algorithm=diffusion_nft", "sampling.group_noise=independent")
+    batch = fixed_batch(app_client, trainer_config(tmp_path, "app", *nft))
+    assert batch.trajectory.log_probs.shape[1] == 0  # final latents alone: no transition crossed the wire
+    single, base, row = train_in_one_process(trainer_config(tmp_path, "single", *nft), batch, tmp_path / "single" / "out")
+    assert row["nft_final_latent_error"] < 1e-5
+    torch.save(batch, tmp_path / "batch.pt")
+    ddp = trainer_config(tmp_path, "ddp", *nft)
+    scenario = {"name": "nft", "overrides": [*SHARED, *TRAINER, *nft, f"replica.weights_dir={tmp_path / 'ddp' / 'weights'}"],
+                "out": str(tmp_path / "ddp" / "out"), "batch": str(tmp_path / "batch.pt")}
+    ranks = _run_ranks(tmp_path, [scenario])
+    assert all(r["nft"]["error"] is None and r["nft"]["version"] == 1 for r in ranks), ranks
+    assert_same_update(single, published(ddp), base)
 
 
 def _rank_main(spec: dict) -> None:
