@@ -186,3 +186,36 @@ def test_the_final_latent_check_catches_weights_that_did_not_sample_the_rollouts
         next(policy.transformer.parameters()).add_(1e-2)
     with pytest.raises(FinalLatentMismatchError, match="policy version 0"):
         check_final_latents(policy, trajectory, rows, bound=1e-4)
+
+
+@pytest.mark.parametrize("side", ["high", "low"])
+def test_diffusion_nft_on_wan22_trains_the_expert_of_each_draws_noise_level(flowgrpo_home, side):
+    """Wan2.2-A14B's two experts (tiny-wan22: the low-noise transformer_2 below boundary_ratio 0.875): DiffusionNFT's
+    velocity at a forward draw runs the expert of the draw's t, as a sampling step at that sigma does, so draws all
+    above the boundary train the high-noise expert's adapter alone and draws all below it the low-noise one's."""
+    from serve_app.models import ensure_embedded_model
+
+    policy = load_policy(ensure_embedded_model("tiny-wan22"), family="wan")
+    boundary = policy.boundary_timestep / 1000
+    t_range = f"[{boundary + 0.02},1.0]" if side == "high" else f"[0.02,{boundary - 0.02}]"
+    cfg = load_trainer_config("trainer/flowgrpo", [
+        "model=tiny_wan22", "reward=video_brightness", "sampling.num_frames=5", "sampling.num_steps=3",
+        "sampling.guidance_scale=1.0", "sampling.group_noise=independent", "trainer.lr=1e-2", "trainer.inner_epochs=1",
+        "trainer.micro_batch_size=8", f"trainer.diffusion_nft.t_range={t_range}", *NFT])
+    tokens = policy.text_processor().tokenize(["a red circle moving left", "a blue square moving right"])
+    sampling = rollout_sampling(cfg.trainer, cfg.sampling, 0).model_copy(update={"seed": 5, "height": 32, "width": 32})
+    trajectory = sample_group(policy, tokens, 4, sampling, policy_version=0)
+    scores = torch.randn(len(trajectory), generator=torch.Generator().manual_seed(4)).reshape(2, 4)
+    advantages = ((scores - scores.mean(1, keepdim=True)) / scores.std(1, keepdim=True)).reshape(-1)
+
+    update = PolicyUpdate(cfg.trainer, policy, DataParallel())
+    before = {k: v.clone() for k, v in update.model.publishable_state().items()}
+    stats = update.run(trajectory, advantages, check_onpolicy=True, seed=0, step=0)
+    assert stats.checks["nft_final_latent_error"] < 1e-5
+    after = update.model.publishable_state()
+    moved = {k: float((after[k] - before[k]).abs().max()) for k in before}
+    low = [m for k, m in moved.items() if k.startswith("transformer_2.")]
+    high = [m for k, m in moved.items() if not k.startswith("transformer_2.")]
+    assert low and high
+    trained, untouched = (high, low) if side == "high" else (low, high)
+    assert max(trained) > 1e-3 and max(untouched) == 0.0, moved
