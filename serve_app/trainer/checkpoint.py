@@ -11,6 +11,7 @@ A checkpoint directory holds:
     ema.pt                  the EMA's state, with trainer.ema_decay
     kept.safetensors        the tensors of the older versions rollouts in flight were pinned to, as
                             "<version>:<name>": the mismatch check replays a batch with its own version's
+                            (with DiffusionNFT's soft-updated sampling policy, the current version's too)
     rng.pt                  torch's and Python's global generator states
     state.json              step, policy_version, in_flight [[rollout index, version], ...] (the rollouts
                             sent and not yet trained on: a resumed run sends them again as they were),

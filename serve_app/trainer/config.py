@@ -129,6 +129,19 @@ class DiffusionNFTSection(Section):
                             "weights of the version they claim; their final latents must match (0: no check).")
     max_final_latent_error: float = Field(1e-4, gt=0.0, description="The largest |regenerated - received| final "
                                           "latent the check accepts.")
+    # The sampling policy (v_old) as a soft-updated average: after update i it becomes d_i old + (1 - d_i) theta,
+    # with d_i = 0 for i < sampling_decay_delay, then min((i - delay) x rate, max). Rollouts sample it, the loss
+    # contrasts against it, the trust check regenerates with it. All 0: the trained weights after every update.
+    sampling_decay_delay: int = Field(0, ge=0, description="Updates after which the sampling policy's decay "
+                                      "starts to rise (before: it is the trained weights).")
+    sampling_decay_rate: float = Field(0.0, ge=0.0, description="How much the sampling policy's decay rises per "
+                                       "update after the delay.")
+    sampling_decay_max: float = Field(0.0, ge=0.0, lt=1.0, description="The sampling policy's largest decay.")
+
+    @property
+    def averages_sampling(self) -> bool:
+        """The sampling policy is a soft-updated average of the trained weights (a decay above 0 at some update)."""
+        return self.sampling_decay_rate > 0 and self.sampling_decay_max > 0
 
     @model_validator(mode="after")
     def _check_t_range(self) -> DiffusionNFTSection:
@@ -237,6 +250,10 @@ class TrainerSection(Section):
                 f"trainer.prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer.distributed.workers "
                 f"({workers}): every worker replays the same number of whole groups"
             )
+        if (workers > 1 and self.distributed.strategy == "fsdp" and self.algorithm == "diffusion_nft"
+                and self.diffusion_nft.averages_sampling):
+            raise ValueError("trainer.diffusion_nft.sampling_decay_* is not supported with trainer.distributed.strategy "
+                             "fsdp (the average of sharded weights is not implemented); use ddp or a decay of 0")
         if workers > 1 and self.distributed.strategy == "fsdp" and self.ema_decay is not None:
             raise ValueError("trainer.ema_decay is not supported with trainer.distributed.strategy fsdp "
                              "(the EMA of sharded weights is not implemented); use ddp or ema_decay null")

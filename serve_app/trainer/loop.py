@@ -27,6 +27,8 @@ with the same weights.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import random
 import time
@@ -138,7 +140,8 @@ class FlowGRPOTrainer:
         in_flight: tuple[tuple[int, int], ...] = ()
         if resume is not None:
             in_flight = self._resume(Path(resume))
-        self.model.keep_version(self.version)  # the weights a batch of that version is checked against
+        if self.version not in self.model.kept_versions:  # a resumed soft-updated sampling policy is kept already
+            self.model.keep_version(self.version)  # the weights a batch of that version is checked against
         self.pipeline = RolloutPipeline(self._request_rollout, max_staleness=self.cfg.max_staleness,
                                         first_index=self.step, resent=in_flight)
         self.telemetry = TrainerTelemetry.if_on_a_cluster() if leader else None
@@ -215,9 +218,13 @@ class FlowGRPOTrainer:
         return UpdateStats.merged(self.parallel.all_gather(stats))
 
     def _publish_version(self, step: int) -> None:
-        self.version = self.publish()
-        self.policy_versions.append(self.version)
-        self.model.keep_version(self.version)  # for the mismatch check of the batches it samples
+        # DiffusionNFT's soft-updated sampling policy is published in place of the trained weights (held for the
+        # publish only: training goes on from the trained ones).
+        sampling = self.update.next_sampling_state(step, self.version)
+        with self.model.holding(sampling) if sampling is not None else contextlib.nullcontext():
+            self.version = self.publish()
+            self.policy_versions.append(self.version)
+            self.model.keep_version(self.version)  # for the mismatch check of the batches it samples
         crash_point("publish", step)
 
     def _log(self, step: int, delivered: Delivered | None, staleness: int, stats: UpdateStats, *, train_s: float,
@@ -317,7 +324,7 @@ class FlowGRPOTrainer:
         optimizer = self.parallel.full_optimizer_state(self.update.optimizer)
         kept = {}
         for version in self.model.kept_versions:  # the versions rollouts in flight may come from
-            if version != self.version:
+            if version != self.version or self.update.averages_sampling:  # (the current one: unless trained on)
                 with self.model.at_version(version):
                     kept[version] = self.parallel.full_tensors(self.model.trainable_state())
         if not self.parallel.is_leader:
@@ -354,7 +361,11 @@ class FlowGRPOTrainer:
         if self.version > 0:
             # The replicas serve what was published under this version; it must be ours (by content hash).
             published = self.store.published_hash(self.version)
-            if content_hash(self.model.publishable_state(), self.model.spec) != published:
+            held = (self.model.at_version(self.version) if self.version in self.model.kept_versions
+                    else contextlib.nullcontext())  # a soft-updated sampling policy's own tensors
+            with held:
+                mine = content_hash(self.model.publishable_state(), self.model.spec)
+            if mine != published:
                 raise PolicyVersionError(
                     f"checkpoint {directory} is at policy version {self.version}, but the app holds other weights "
                     f"under that version (published as {published[:12]})"

@@ -103,7 +103,7 @@ class TrainableTransformer:
         for `at_version`; only the newest `keep_versions` versions stay (none when it is 0)."""
         if not self.keep_versions:
             return
-        self._versions[version] = self._local_state()
+        self._versions[version] = self.local_state()
         while len(self._versions) > self.keep_versions:
             del self._versions[next(iter(self._versions))]
 
@@ -119,17 +119,34 @@ class TrainableTransformer:
         Raises:
             KeyError: `version` is not among the kept ones.
         """
+        with self.holding(self.version_state(version)):
+            yield
+
+    def version_state(self, version: int) -> dict[str, torch.Tensor]:
+        """The kept trainable tensors of `version` (this rank's, on the CPU).
+
+        Raises:
+            KeyError: `version` is not among the kept ones.
+        """
         if version not in self._versions:
             raise KeyError(f"the trainer kept no weights of policy version {version} (it keeps {self.kept_versions}: "
                            "the last trainer.max_staleness + 1 versions it published)")
-        current = self._local_state()
-        self._load_local(self._versions[version])
+        return self._versions[version]
+
+    @contextlib.contextmanager
+    def holding(self, state: dict[str, torch.Tensor]) -> Iterator[None]:
+        """`state` (this rank's trainable tensors, as `version_state` gives them) in place of the current tensors,
+        which are put back on exit; under no grad, the optimizer state untouched."""
+        current = self.local_state()
+        self._load_local(state)
         try:
             yield
         finally:
             self._load_local(current)
 
-    def _local_state(self) -> dict[str, torch.Tensor]:
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's trainable tensors as they are now (copies on the CPU; under fsdp its shards), in
+        `version_state`'s form."""
         return {n: _local(p).detach().to("cpu", copy=True) for n, p in self.named.items()}
 
     @torch.no_grad()

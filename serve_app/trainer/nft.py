@@ -19,6 +19,7 @@ from serve_app.flowgrpo.sampler import Conditioning, denoise, initial_latents
 from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import Trajectory
+from serve_app.trainer.config import DiffusionNFTSection
 
 
 class FinalLatentMismatchError(RuntimeError):
@@ -57,6 +58,16 @@ def forward_generators(update_seed: int, epoch: int, sample_seeds: torch.Tensor)
         key = hashlib.blake2b(f"{update_seed}/{epoch}/{sample_seed}".encode(), digest_size=8).digest()
         generators.append(torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1))
     return generators
+
+
+def sampling_decay(section: DiffusionNFTSection, update: int) -> float:
+    """The decay d of the sampling policy's soft update after update `update` (0-based): old <- d old + (1 - d)
+    theta. 0 before `sampling_decay_delay` updates, then rising by `sampling_decay_rate` per update to
+    `sampling_decay_max` (DiffusionNFT's reference schedules: delay 0, rate 0.001, max 0.5; delay 75, rate
+    0.0075, max 0.999)."""
+    if update < section.sampling_decay_delay:
+        return 0.0
+    return min((update - section.sampling_decay_delay) * section.sampling_decay_rate, section.sampling_decay_max)
 
 
 def final_latents(trajectory: Trajectory) -> torch.Tensor:

@@ -26,7 +26,7 @@ from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import (clipped_ratio_loss, clipped_surrogate, grpo_guard_step_weight, loss_stats,
                                     nft_loss, nft_optimality, ratio_norm_log_ratio)
 from serve_app.trainer.nft import (ForwardDraws, check_final_latents, conditional_velocity, final_latents,
-                                  forward_generators)
+                                  forward_generators, sampling_decay)
 from serve_app.trainer.mismatch import MismatchMonitor
 from serve_app.trainer.parallel import DataParallel, scalar
 
@@ -110,6 +110,8 @@ class PolicyUpdate:
         # The trainable tensors of the versions a batch may still come from: this one and max_staleness before it
         # (none at max_staleness 0: every batch then comes from the weights the trainer holds).
         keep = cfg.max_staleness + 1 if cfg.max_staleness else 0
+        if self.averages_sampling:  # the version sampled is an average, never the trained weights: always kept
+            keep = cfg.max_staleness + 1
         self.model = TrainableTransformer(policy, cfg.lora, keep_versions=keep)
         parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -118,6 +120,22 @@ class PolicyUpdate:
         # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay); rank 0 only.
         self.ema = (EMAModel(self.model.parameters(), decay=cfg.ema_decay)
                     if cfg.ema_decay and parallel.is_leader else None)
+
+    @property
+    def averages_sampling(self) -> bool:
+        """DiffusionNFT with a soft-updated sampling policy (trainer.diffusion_nft.sampling_decay_*): the versions
+        published are an average of the trained weights, not the trained weights."""
+        return self.cfg.algorithm == "diffusion_nft" and self.cfg.diffusion_nft.averages_sampling
+
+    def next_sampling_state(self, update: int, version: int) -> dict[str, torch.Tensor] | None:
+        """With a soft-updated sampling policy, the tensors to publish after update `update` (0-based): d x the kept
+        tensors of `version`, the sampling policy so far, + (1 - d) x the trained ones (d: nft.sampling_decay);
+        None otherwise (the trained weights are published)."""
+        if not self.averages_sampling:
+            return None
+        decay = sampling_decay(self.cfg.diffusion_nft, update)
+        old, trained = self.model.version_state(version), self.model.local_state()
+        return {name: decay * old[name] + (1.0 - decay) * tensor for name, tensor in trained.items()}
 
     def run(self, trajectory: Trajectory, advantages: torch.Tensor, *, check_onpolicy: bool, seed: int,
             step: int) -> UpdateStats:
@@ -166,7 +184,10 @@ class PolicyUpdate:
         x0 = final_latents(trajectory)
         batch = len(trajectory)
         generator = torch.Generator().manual_seed(seed)
-        behaviour = contextlib.nullcontext() if current else self.model.at_version(trajectory.policy_version)
+        # The sampling policy's velocity: the current weights, when they sampled the batch; else (a batch in flight
+        # during updates, or a soft-updated sampling policy) the kept tensors of the version that did.
+        kept = not current or self.averages_sampling
+        behaviour = self.model.at_version(trajectory.policy_version) if kept else contextlib.nullcontext()
         draws = [ForwardDraws.of(x0, nft.draws, nft.t_range, forward_generators(seed, epoch, trajectory.seeds))
                  for epoch in range(cfg.inner_epochs)]
         with behaviour:
@@ -250,7 +271,10 @@ class PolicyUpdate:
     def _behaviour_means_of(self, trajectory: Trajectory, *, current: bool) -> list[torch.Tensor]:
         """[B, ...] transition means of every window step k under the weights that sampled the batch (the current
         ones when `current`, else that version's kept tensors), replayed in micro-batches."""
-        behaviour = contextlib.nullcontext() if current else self.model.at_version(trajectory.policy_version)
+        # The sampling policy's velocity: the current weights, when they sampled the batch; else (a batch in flight
+        # during updates, or a soft-updated sampling policy) the kept tensors of the version that did.
+        kept = not current or self.averages_sampling
+        behaviour = self.model.at_version(trajectory.policy_version) if kept else contextlib.nullcontext()
         rows = torch.arange(len(trajectory)).split(self.cfg.micro_batch_size)
         with behaviour:
             return [torch.cat([replay_step(self.policy, trajectory, k, rows=r).mean.cpu() for r in rows])

@@ -56,6 +56,10 @@ def test_diffusion_nft_asks_for_ode_rollouts_recorded_as_their_final_latents():
     (["trainer.algorithm=diffusion_nft", "trainer.diffusion_nft.t_range=[0.5,0.2]"], "t_range"),
     (["trainer.grpo_guard=true", "sampling.sde_type=cps", "sampling.noise_level=0.5"], "trainer.grpo_guard"),
     (["trainer.algorithm=ppo"], "trainer.algorithm"),
+    (["trainer.algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_max=1.0"], "sampling_decay_max"),
+    (["trainer.algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_rate=0.1",
+      "trainer.diffusion_nft.sampling_decay_max=0.5", "trainer.prompts_per_step=2", "trainer.distributed.workers=2",
+      "trainer.distributed.strategy=fsdp"], "sampling_decay"),
 ])
 def test_a_config_an_algorithm_cannot_serve_fails_at_load_naming_the_settings(extra, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
@@ -219,3 +223,19 @@ def test_diffusion_nft_on_wan22_trains_the_expert_of_each_draws_noise_level(flow
     assert low and high
     trained, untouched = (high, low) if side == "high" else (low, high)
     assert max(trained) > 1e-3 and max(untouched) == 0.0, moved
+
+
+@pytest.mark.parametrize("delay, rate, top", [(0, 0.001, 0.5), (75, 0.0075, 0.999), (3, 0.25, 0.6)])
+def test_the_sampling_policys_decay_is_zero_through_the_delay_then_rises_to_its_max(delay, rate, top):
+    from serve_app.trainer.nft import sampling_decay
+
+    cfg = config("trainer.algorithm=diffusion_nft", f"trainer.diffusion_nft.sampling_decay_delay={delay}",
+                 f"trainer.diffusion_nft.sampling_decay_rate={rate}", f"trainer.diffusion_nft.sampling_decay_max={top}")
+    assert cfg.trainer.diffusion_nft.averages_sampling
+    for update in range(0, 400, 7):
+        # Restated: no averaging for the first `delay` updates, then a linear ramp from 0, capped.
+        expected = 0.0 if update < delay else rate * (update - delay)
+        expected = top if expected > top else expected
+        assert sampling_decay(cfg.trainer.diffusion_nft, update) == pytest.approx(expected, abs=1e-12)
+    assert sampling_decay(cfg.trainer.diffusion_nft, 10**6) == top
+    assert not config("trainer.algorithm=diffusion_nft").trainer.diffusion_nft.averages_sampling

@@ -371,6 +371,48 @@ def test_dance_grpo_trains_through_the_app_on_its_sde_step(local_app, tmp_path):
     assert rows[1]["mismatch_abs_log_ratio_max"] < 1e-5 and trainer.version == 2
 
 
+AVERAGED = ("trainer.lr=1e-2", "trainer.algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_rate=0.25",
+            "trainer.diffusion_nft.sampling_decay_max=0.4")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_diffusion_nft_samples_the_soft_updated_average_it_publishes(local_app, tmp_path, staleness):
+    """With trainer.diffusion_nft.sampling_decay_*: after update i the version published is d_i old + (1 - d_i) theta
+    (d = 0, 0.25, 0.4), not the trained weights; the rollouts are sampled by it and the final-latent check regenerates
+    them with it (a check against the trained weights would miss by far more than 1e-5)."""
+    trainer = make_trainer(local_app, tmp_path, *AVERAGED, f"trainer.max_staleness={staleness}")
+    trained, rows = [], []
+    for _ in range(3):
+        rows.append(trainer.train_step())
+        trained.append(trainer.model.publishable_state())
+    assert all(row["nft_final_latent_error"] < 1e-5 for row in rows)
+    published = [trainer.store.load(version).tensors for version in (1, 2, 3)]
+    expected = trained[0]  # d_0 = 0: the first update's weights
+    for decay, theta, mine in zip((0.0, 0.25, 0.4), trained, published):
+        expected = {k: decay * expected[k] + (1 - decay) * theta[k] for k in theta}
+        assert mine.keys() == expected.keys()
+        assert max(float((mine[k] - expected[k]).abs().max()) for k in mine) < 1e-7
+    gap = max(float((published[2][k] - trained[2][k]).abs().max()) for k in trained[2])
+    assert gap > 1e-3  # the version sampled is not the trained weights
+
+
+def test_a_resumed_run_with_a_soft_updated_sampling_policy_is_the_run_it_would_have_been(local_app, tmp_path):
+    """The checkpoint holds the sampling average beside the trained weights: 4 steps straight equal 2 + a resume + 2,
+    bitwise, in the trained weights and in every version published."""
+    extra = (*AVERAGED, "trainer.checkpoint_every=1", "trainer.max_staleness=1")
+    straight = make_trainer(local_app, tmp_path / "straight", *extra)
+    straight.train(4)
+    straight_versions = [straight.store.load(v).tensors for v in straight.policy_versions[-2:]]
+    first = make_trainer(local_app, tmp_path / "split", *extra)
+    first.train(2)
+    resumed = resumed_trainer(local_app, first, *extra)
+    resumed.train(4)
+    theirs, mine = straight.model.trainable_state(), resumed.model.trainable_state()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    for a, b in zip(straight_versions, [resumed.store.load(v).tensors for v in resumed.policy_versions[-2:]]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_diffusion_nft_trains_through_the_app_on_final_latents_it_checks(local_app, tmp_path, staleness):
     """trainer.algorithm diffusion_nft: the app returns ODE final latents alone; every step regenerates two of
