@@ -45,6 +45,9 @@ VARIANTS: dict[str, list[str]] = {
     "mix_grpo": ["algorithm=mix_grpo"],
     "dance_grpo": ["algorithm=dance_grpo"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
+    # DiffusionNFT sampling a soft-updated average of the trained weights (the paper's first schedule).
+    "diffusion_nft_soft": ["algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_rate=0.001",
+                           "trainer.diffusion_nft.sampling_decay_max=0.5"],
     "grpo_guard": ["algorithm=grpo_guard"],
 }
 NEVER = 10**9  # trainer.eval_every: the benchmark evaluates on its own clock, not every N steps
