@@ -31,6 +31,28 @@ def test_a_rows_policy_and_checkpoints_agree_with_it(name):
         assert EMBEDDED_MODELS[checkpoint.name].family == name
 
 
+def test_every_rows_text_processor_loads_and_tokenizes_without_diffusers(tiny_qwen_dir):
+    """What an ingress replica imports: its deployment's module, each row's text processor module and the tiny
+    checkpoint's tokenizers, in a fresh process that never imports diffusers (its import alone pulls torch._dynamo: seconds and ~300 MB)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import deployments.tokenizer_ingress\n"
+            "from serve_app.families import FAMILIES\n"
+            "from serve_app.imports import import_object\n"
+            "from serve_app.policies import load_text_processor\n"
+            "for name, row in FAMILIES.items():\n"
+            "    import_object(row.text_processor, what=name)\n"
+            "(tokens,) = load_text_processor(sys.argv[1], family='qwen_image').tokenize(['a cat'])\n"
+            "assert len(tokens.token_ids['tokenizer']) > 34\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'diffusers'))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_qwen_dir)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_the_configs_and_the_registry_know_no_family_and_checkpoint_but_the_tables():
     assert SUPPORTED_FAMILIES == tuple(FAMILIES)
     assert VIDEO_FAMILIES == ("wan", "wan_i2v", "ltx2", "ltx2_i2v")

@@ -81,15 +81,16 @@ def load_policy(
 
 
 def load_text_processor(local_dir: str | Path, *, family: str | None = None) -> TextProcessor:
-    """The tokenizer side only (no model weights): what the ingress needs."""
+    """The tokenizer side only (no model weights, no pipeline code): what the ingress needs."""
     found = _checked_family(local_dir, family)
-    return policy_class(found).load_text_processor(local_dir)
+    processor: type[TextProcessor] = import_object(family_row(found).text_processor, what=f"the {found} text processor")
+    return processor.load(local_dir)
 
 
 def _checked_family(local_dir: str | Path, family: str | None) -> str:
     """The directory's family, after checking that an asked-for `family` exists and matches it."""
     if family is not None:
-        policy_class(family)  # an unknown name gets the list of supported ones
+        family_row(family)  # an unknown name gets the list of supported ones
     found = detect_family(local_dir)
     if family is not None and family != found:
         raise ValueError(

@@ -38,7 +38,8 @@ PRIMARY_EXPERT = "transformer"
 
 
 class TextProcessor(abc.ABC):
-    """The CPU side of a family: chat template and tokenization, used by the ingress.
+    """The CPU side of a family: chat template and tokenization, used by the ingress. Its module imports no
+    diffusers (the family's row names it: serve_app.families), so an ingress loads no pipeline code.
 
     Fast tokenizers keep padding/truncation settings in a Rust object that every call with
     `truncation=`/`padding=` rewrites; one thread rewriting it while another encodes raised
@@ -52,6 +53,11 @@ class TextProcessor(abc.ABC):
 
     def __init__(self, tokenizers: dict[str, Any]) -> None:
         self._tokenizers = tokenizers
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, local_dir: str | Path) -> TextProcessor:
+        """The tokenizers of a pipeline directory, without any weights (the ingress's loader)."""
 
     def _tokenizer(self, name: str) -> Any:
         return self._tokenizers[name]
@@ -357,11 +363,6 @@ class DiffusionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def _make_text_processor(self) -> TextProcessor: ...
-
-    @classmethod
-    @abc.abstractmethod
-    def load_text_processor(cls, local_dir: str | Path) -> TextProcessor:
-        """The tokenizer side alone, without loading any weights (for the ingress)."""
 
     @property
     def transformer(self) -> torch.nn.Module:

@@ -2,7 +2,7 @@
 tokenization per tokenizer slot, each padded in full and truncated as the stock pipelines feed their
 encoders (CLIP to the first CLIP tokenizer's ``model_max_length``, T5 to the family's
 ``max_sequence_length`` capped by the T5 tokenizer's own limit), and the loading of those tokenizers
-from a pipeline directory."""
+from a pipeline directory. Free of diffusers, so the ingress loads it without the pipelines' modules."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class ClipT5TextProcessor(TextProcessor):
         return min(cls.t5_default_length, int(tokenizer.model_max_length))
 
     @classmethod
-    def from_pretrained(cls, local_dir: str | Path) -> ClipT5TextProcessor:
+    def load(cls, local_dir: str | Path) -> ClipT5TextProcessor:
         """The tokenizers of a pipeline directory (offline); an optional T5 slot may be absent."""
         tokenizers: dict[str, Any] = {}
         for slot in cls.slots():
@@ -82,6 +82,26 @@ class ClipT5TextProcessor(TextProcessor):
         return rows_of(prompts, ids)
 
 
+class SD3TextProcessor(ClipT5TextProcessor):
+    """Three tokenizations per prompt: CLIP-L, CLIP-G and (when the pipeline has it) T5."""
+
+    family = "SD3"
+    clip_slots = ("tokenizer", "tokenizer_2")
+    t5_slot = "tokenizer_3"
+    t5_required = False
+    t5_default_length = 256
+
+
+class FluxTextProcessor(ClipT5TextProcessor):
+    """Two tokenizations per prompt: CLIP (pooled output only) and T5."""
+
+    family = "Flux"
+    clip_slots = ("tokenizer",)
+    t5_slot = "tokenizer_2"
+    t5_required = True
+    t5_default_length = 512  # the stock `max_sequence_length` (and its upper limit)
+
+
 class ClipT5Tokenizers:
     """The policy side: the pipeline's tokenizers in the slots its ``text_processor_class`` names."""
 
@@ -93,10 +113,6 @@ class ClipT5Tokenizers:
 
     def _make_text_processor(self) -> ClipT5TextProcessor:
         return self.text_processor_class(self._tokenizers())
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> ClipT5TextProcessor:
-        return cls.text_processor_class.from_pretrained(local_dir)
 
     @property
     def max_sequence_length(self) -> int:

@@ -26,23 +26,11 @@ from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from serve_app.policies.base import PackedLatentPolicy, PolicySettings
-from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
+from serve_app.policies.clip_t5 import ClipT5Tokenizers, FluxTextProcessor
 from serve_app.config.sampling import MAX_IMAGE_SIDE, SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
 DEFAULT_DISTILLED_GUIDANCE = 3.5  # the stock `guidance_scale`
-
-
-class FluxTextProcessor(ClipT5TextProcessor):
-    """Two tokenizations per prompt: CLIP (pooled output only) and T5."""
-
-    family = "Flux"
-    clip_slots = ("tokenizer",)
-    t5_slot = "tokenizer_2"
-    t5_required = True
-    t5_default_length = 512  # the stock `max_sequence_length` (and its upper limit)
-
-
 CLIP_SLOT = FluxTextProcessor.clip_slots[0]
 T5_SLOT = FluxTextProcessor.t5_slot
 

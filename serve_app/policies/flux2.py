@@ -48,8 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
-from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, format_input
-from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from serve_app.config.sampling import MAX_IMAGE_SIDE, SamplingParams
 from serve_app.errors import InvalidRequestError
@@ -63,13 +62,14 @@ from serve_app.policies.base import (
 )
 from serve_app.policies.single_tokenizer import (
     TOKENIZER_SLOT,
+    Flux2KleinTextProcessor,
+    Flux2TextProcessor,
     SingleTokenizer,
-    SingleTokenizerTextProcessor,
     padded_ids,
+    text_tokenizer,
 )
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
 DEFAULT_DISTILLED_GUIDANCE = 4.0  # Flux2Pipeline's `guidance_scale` default
 # Reference images: the area the pipelines shrink a larger one to (a literal of their __call__), and the limits of
 # Flux2ImageProcessor.check_image_input's defaults on an image as sent.
@@ -79,39 +79,6 @@ MAX_INPUT_IMAGE_ASPECT = 8
 # Reference images a prompt may take: BFL's figure for FLUX.2 [dev], assumed for [klein] (the pipelines set none).
 MAX_REFERENCE_IMAGES = 10
 REFERENCE_TIME_STEP = 10  # the pipelines' `_prepare_image_ids` scale: reference i sits at time 10 + 10 i
-
-
-def text_tokenizer(tokenizer: Any) -> Any:
-    """The tokenizer proper: a released FLUX.2 [dev] checkout's "tokenizer" is a PixtralProcessor holding one."""
-    return getattr(tokenizer, "tokenizer", tokenizer)
-
-
-class Flux2TextProcessor(SingleTokenizerTextProcessor):
-    """FLUX.2 [dev]'s chat text, truncated to ``max_sequence_length`` tokens; unpadded (the policy pads it as the
-    stock tokenizer call's padding="max_length" does)."""
-
-    family_name = "FLUX.2"
-    default_max_length = DEFAULT_MAX_SEQUENCE_LENGTH
-    # apply_chat_template tokenizes without special tokens (a processor too, its template writing the BOS itself).
-    add_special_tokens: ClassVar[bool] = False
-
-    unwrap = staticmethod(text_tokenizer)
-
-    def format(self, prompt: str) -> str:
-        (messages,) = format_input([prompt], system_message=SYSTEM_MESSAGE)
-        return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(messages, tokenize=False,
-                                                                   add_generation_prompt=False)
-
-
-class Flux2KleinTextProcessor(Flux2TextProcessor):
-    """FLUX.2 [klein]'s chat text: one user turn, the answer opened with thinking off."""
-
-    add_special_tokens: ClassVar[bool] = True  # the klein pipeline tokenizes the rendered text with the defaults
-
-    def format(self, prompt: str) -> str:
-        return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False,
-        )
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,9 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
 from serve_app.config.sampling import MAX_IMAGE_SIDE, SamplingParams
 from serve_app.policies.base import DiffusionPolicy, PolicySettings
-from serve_app.policies.single_tokenizer import SingleTokenizer, SingleTokenizerTextProcessor, padded_ids
+from serve_app.policies.single_tokenizer import LTX2TextProcessor, SingleTokenizer, padded_ids
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # the stock `__call__`'s max_sequence_length
 FRAME_RATE = 24.0  # the stock `frame_rate`: rotary time coordinates and the audio's length follow it
 MAX_SECONDS = 20.0  # the stock `max_seconds`: the longest clip the pipeline plans for
 USE_CROSS_TIMESTEP = True  # the stock default: cross-modal attention modulated by the other modality's sigma
@@ -61,16 +60,6 @@ def unsupported_parts(pipeline: Any) -> list[str]:
         problems.append(f"transformer patch_size {config.patch_size} / patch_size_t {config.patch_size_t}: the "
                         "stock pipeline samples LTX-2 latents one token per latent pixel (1 / 1)")
     return problems
-
-
-class LTX2TextProcessor(SingleTokenizerTextProcessor):
-    """Stripped prompts; the policy pads them on the left, as the stock pipeline does."""
-
-    family_name = "LTX-2"
-    default_max_length = DEFAULT_MAX_SEQUENCE_LENGTH
-
-    def format(self, prompt: str) -> str:
-        return prompt.strip()
 
 
 class JointLatents(NamedTuple):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,39 +10,10 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-from serve_app.policies.base import PackedLatentPolicy, TextProcessor
+from serve_app.policies.base import PackedLatentPolicy
+from serve_app.policies.qwen_text import TEMPLATE_PREFIX_TOKENS, QwenImageTextProcessor
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
-from serve_app.models.tokenizer_cache import load_tokenizer
-
-# The pipeline's own template: the encoder's hidden states of the first 34 tokens (the system
-# prompt and the user header) are dropped.
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-TEMPLATE_PREFIX_TOKENS = 34
-MAX_PROMPT_TOKENS = 1024
-
-
-class QwenImageTextProcessor(TextProcessor):
-    def format(self, prompt: str) -> str:
-        return PROMPT_TEMPLATE.format(prompt)
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        tokenizer = self._tokenizer("tokenizer")
-        encoded = tokenizer(
-            [self.format(p) for p in prompts],
-            max_length=MAX_PROMPT_TOKENS + TEMPLATE_PREFIX_TOKENS,
-            truncation=True,
-            padding=False,
-        )
-        return [
-            PromptTokens(text=p, token_ids={"tokenizer": torch.tensor(ids, dtype=torch.long)})
-            for p, ids in zip(prompts, encoded["input_ids"])
-        ]
-
 
 def right_padded(ids: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [B, longest] padded on the right, and their attention mask (right padding: causal
@@ -80,11 +50,6 @@ class QwenImagePolicy(PackedLatentPolicy):
 
     def _make_text_processor(self) -> QwenImageTextProcessor:
         return QwenImageTextProcessor({"tokenizer": self.pipeline.tokenizer})
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> QwenImageTextProcessor:
-        tokenizer = load_tokenizer(Path(local_dir) / "tokenizer")
-        return QwenImageTextProcessor({"tokenizer": tokenizer})
 
     @property
     def max_tokens_per_axis(self) -> int:

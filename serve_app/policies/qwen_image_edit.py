@@ -25,43 +25,17 @@ from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from serve_app.media import to_pil
-from serve_app.models.tokenizer_cache import load_tokenizer
-from serve_app.policies.base import PolicySettings, TextProcessor, per_input_image_shapes, stack_padded, stock_globals
+from serve_app.policies.base import PolicySettings, per_input_image_shapes, stack_padded, stock_globals
 from serve_app.policies.qwen_image import QwenImagePolicy, right_padded, without_prefix
+from serve_app.policies.qwen_text import EDIT_TEMPLATE_PREFIX_TOKENS, IMAGE_PAD, QwenImageEditTextProcessor
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-# QwenImageEditPipeline's template and the hidden states it drops (prompt_template_encode_start_idx).
-# The header is the 64 dropped tokens (system prompt and user header), shared with Qwen-Image-Edit-Plus.
-EDIT_TEMPLATE_HEADER = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
-    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
-    "image that meets the user's requirements while maintaining consistency with the original input where "
-    "appropriate.<|im_end|>\n<|im_start|>user\n"
-)
-EDIT_TEMPLATE_TAIL = "{}<|im_end|>\n<|im_start|>assistant\n"
-EDIT_PROMPT_TEMPLATE = EDIT_TEMPLATE_HEADER + "<|vision_start|><|image_pad|><|vision_end|>" + EDIT_TEMPLATE_TAIL
-EDIT_TEMPLATE_PREFIX_TOKENS = 64
-IMAGE_PAD = "<|image_pad|>"
 # The area QwenImageEditPipeline.__call__ resizes an input image to (calculate_dimensions(1024 * 1024, ...)).
 STOCK_INPUT_IMAGE_AREA = 1024 * 1024
 _PROCESSOR = "serve_app.models.vl_processor:Qwen2VLImageOnlyProcessor"
 # Taken at import, so a replacement for one call (stock_call) never wraps another's.
 _STOCK_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions
-
-
-class QwenImageEditTextProcessor(TextProcessor):
-    """Template + token ids with one ``<|image_pad|>`` per input image; the replica expands each into the
-    image's vision tokens once it has the image's patch grid (:meth:`QwenImageEditPolicy.encode_prompts`)."""
-
-    def format(self, prompt: str) -> str:
-        return EDIT_PROMPT_TEMPLATE.format(prompt)
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        # The stock pipeline truncates nothing here; the ingress bounds a prompt's characters.
-        encoded = self._tokenizer("tokenizer")([self.format(p) for p in prompts], padding=False)
-        return [PromptTokens(text=p, token_ids={"tokenizer": torch.tensor(ids, dtype=torch.long)})
-                for p, ids in zip(prompts, encoded["input_ids"])]
 
 
 class QwenImageEditPolicy(QwenImagePolicy):
@@ -81,11 +55,6 @@ class QwenImageEditPolicy(QwenImagePolicy):
 
     def _make_text_processor(self) -> QwenImageEditTextProcessor:
         return QwenImageEditTextProcessor({"tokenizer": self.pipeline.tokenizer})
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> QwenImageEditTextProcessor:
-        tokenizer = load_tokenizer(Path(local_dir) / "tokenizer")
-        return QwenImageEditTextProcessor({"tokenizer": tokenizer})
 
     # -- conditioning --------------------------------------------------------------------------
 

@@ -17,63 +17,22 @@ this adapter adds to :class:`~serve_app.policies.qwen_image_edit.QwenImageEditPo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import torch
 from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
 from serve_app.media import to_pil
-from serve_app.models.tokenizer_cache import load_tokenizer
 from serve_app.policies.base import stock_globals
-from serve_app.policies.qwen_image_edit import (
-    EDIT_TEMPLATE_HEADER,
-    EDIT_TEMPLATE_PREFIX_TOKENS,
-    EDIT_TEMPLATE_TAIL,
-    QwenImageEditPolicy,
-    QwenImageEditTextProcessor,
-)
+from serve_app.policies.qwen_image_edit import QwenImageEditPolicy
+from serve_app.policies.qwen_text import EDIT_TEMPLATE_PREFIX_TOKENS, QwenImageEditPlusTextProcessor
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptTokens
 
-# QwenImageEditPlusPipeline's template is Qwen-Image-Edit's header (the 64 tokens dropped from the hidden
-# states), then a picture per input image and the instruction in the user turn, then Qwen-Image-Edit's tail.
-PICTURE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 # The stock pipeline's areas (CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE).
 STOCK_CONDITION_IMAGE_AREA = 384 * 384
 STOCK_VAE_IMAGE_AREA = 1024 * 1024
-
-
-class QwenImageEditPlusTextProcessor(QwenImageEditTextProcessor):
-    """The template's 64-token header and the instruction's tail, tokenized apart; the pictures go between
-    them on the replica (:meth:`QwenImageEditPlusPolicy._template_ids`, with :meth:`picture_ids`)."""
-
-    def __init__(self, tokenizers: dict[str, Any]) -> None:
-        super().__init__(tokenizers)
-        self._picture_ids: dict[int, torch.Tensor] = {}  # image count -> ids
-
-    def format(self, prompt: str) -> str:
-        return EDIT_TEMPLATE_HEADER + EDIT_TEMPLATE_TAIL.format(prompt)
-
-    def _encode(self, prompts: Sequence[str]) -> list[PromptTokens]:
-        tokenizer = self._tokenizer("tokenizer")
-        header, *tails = tokenizer([EDIT_TEMPLATE_HEADER, *(EDIT_TEMPLATE_TAIL.format(p) for p in prompts)],
-                                   padding=False)["input_ids"]
-        if len(header) != EDIT_TEMPLATE_PREFIX_TOKENS:
-            raise ValueError(f"the Qwen-Image-Edit-Plus template header is {len(header)} tokens with this tokenizer; "
-                             f"the pipeline drops {EDIT_TEMPLATE_PREFIX_TOKENS}")
-        return [PromptTokens(text=p, token_ids={"tokenizer": torch.tensor(header + tail, dtype=torch.long)})
-                for p, tail in zip(prompts, tails)]
-
-    def picture_ids(self, count: int) -> torch.Tensor:
-        """Token ids of ``Picture 1: ...`` to ``Picture count: ...``, as the replica inserts them (kept per count)."""
-        with self._lock:
-            if count not in self._picture_ids:
-                text = "".join(PICTURE_TEMPLATE.format(k + 1) for k in range(count))
-                ids = self._tokenizer("tokenizer")(text, padding=False)["input_ids"]
-                self._picture_ids[count] = torch.tensor(ids, dtype=torch.long)
-            return self._picture_ids[count]
 
 
 class QwenImageEditPlusPolicy(QwenImageEditPolicy):
@@ -85,10 +44,6 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
 
     def _make_text_processor(self) -> QwenImageEditPlusTextProcessor:
         return QwenImageEditPlusTextProcessor({"tokenizer": self.pipeline.tokenizer})
-
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> QwenImageEditPlusTextProcessor:
-        return QwenImageEditPlusTextProcessor({"tokenizer": load_tokenizer(Path(local_dir) / "tokenizer")})
 
     def _vision_images(self, prompt: PromptTokens, index: int) -> list[torch.Tensor]:
         if len(prompt.condition_images) != len(prompt.images):

@@ -17,19 +17,9 @@ from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
 from serve_app.policies.base import DiffusionPolicy
-from serve_app.policies.clip_t5 import ClipT5TextProcessor, ClipT5Tokenizers
+from serve_app.policies.clip_t5 import ClipT5Tokenizers, SD3TextProcessor
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
-
-class SD3TextProcessor(ClipT5TextProcessor):
-    """Three tokenizations per prompt: CLIP-L, CLIP-G and (when the pipeline has it) T5."""
-
-    family = "SD3"
-    clip_slots = ("tokenizer", "tokenizer_2")
-    t5_slot = "tokenizer_3"
-    t5_required = False
-    t5_default_length = 256
-
 
 CLIP_SLOTS = SD3TextProcessor.clip_slots
 T5_SLOT = SD3TextProcessor.t5_slot

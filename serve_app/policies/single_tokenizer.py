@@ -37,6 +37,10 @@ class SingleTokenizerTextProcessor(TextProcessor):
         self.max_sequence_length = self.length_of(tokenizers[TOKENIZER_SLOT])
 
     @classmethod
+    def load(cls, local_dir: str | Path) -> SingleTokenizerTextProcessor:
+        return cls({TOKENIZER_SLOT: load_tokenizer(Path(local_dir) / TOKENIZER_SLOT)})
+
+    @classmethod
     def length_of(cls, tokenizer: Any) -> int:
         """Text positions the encoder sees: the stock default, capped by the tokenizer's own limit."""
         return min(cls.default_max_length, int(cls.unwrap(tokenizer).model_max_length))
@@ -74,11 +78,81 @@ class SingleTokenizer:
     def _make_text_processor(self) -> SingleTokenizerTextProcessor:
         return self.text_processor_class({TOKENIZER_SLOT: self.pipeline.tokenizer})
 
-    @classmethod
-    def load_text_processor(cls, local_dir: str | Path) -> SingleTokenizerTextProcessor:
-        return cls.text_processor_class({TOKENIZER_SLOT: load_tokenizer(Path(local_dir) / TOKENIZER_SLOT)})
-
     @property
     def max_sequence_length(self) -> int:
         """Text positions per prompt (pass it as the stock pipeline's `max_sequence_length` to match)."""
         return self.text_processor_class.length_of(self.pipeline.tokenizer)
+
+
+# -- the families' text sides ------------------------------------------------------------------
+
+
+class WanTextProcessor(SingleTokenizerTextProcessor):
+    """Cleaned prompts (ftfy when installed, HTML unescaping, whitespace), as the stock ``prompt_clean``."""
+
+    family_name = "Wan"
+    default_max_length = 512  # the stock `__call__`'s max_sequence_length
+
+    def format(self, prompt: str) -> str:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # on first use: the module pulls diffusers
+
+        return prompt_clean(prompt)
+
+
+class LTX2TextProcessor(SingleTokenizerTextProcessor):
+    """Stripped prompts; the policy pads them on the left, as the stock pipeline does."""
+
+    family_name = "LTX-2"
+    default_max_length = 1024  # the stock `__call__`'s max_sequence_length
+
+    def format(self, prompt: str) -> str:
+        return prompt.strip()
+
+
+class ZImageTextProcessor(SingleTokenizerTextProcessor):
+    """The chat-templated prompt; the policy pads it to ``max_sequence_length``, as the stock tokenizer call does."""
+
+    family_name = "Z-Image"
+    default_max_length = 512  # the stock `__call__`'s max_sequence_length
+
+    def format(self, prompt: str) -> str:
+        return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=True,
+        )
+
+
+def text_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer proper: a released FLUX.2 [dev] checkout's "tokenizer" is a PixtralProcessor holding one."""
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
+class Flux2TextProcessor(SingleTokenizerTextProcessor):
+    """FLUX.2 [dev]'s chat text, truncated to ``max_sequence_length`` tokens; unpadded (the policy pads it as the
+    stock tokenizer call's padding="max_length" does)."""
+
+    family_name = "FLUX.2"
+    default_max_length = 512  # the stock `__call__`'s max_sequence_length
+    # apply_chat_template tokenizes without special tokens (a processor too, its template writing the BOS itself).
+    add_special_tokens: ClassVar[bool] = False
+
+    unwrap = staticmethod(text_tokenizer)
+
+    def format(self, prompt: str) -> str:
+        # On first use: the pipeline's modules pull diffusers.
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        (messages,) = format_input([prompt], system_message=SYSTEM_MESSAGE)
+        return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(messages, tokenize=False,
+                                                                   add_generation_prompt=False)
+
+
+class Flux2KleinTextProcessor(Flux2TextProcessor):
+    """FLUX.2 [klein]'s chat text: one user turn, the answer opened with thinking off."""
+
+    add_special_tokens: ClassVar[bool] = True  # the klein pipeline tokenizes the rendered text with the defaults
+
+    def format(self, prompt: str) -> str:
+        return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False,
+        )

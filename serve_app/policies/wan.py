@@ -50,14 +50,12 @@ from typing import Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from serve_app.policies.base import PRIMARY_EXPERT, DiffusionPolicy, PolicySettings
-from serve_app.policies.single_tokenizer import TOKENIZER_SLOT, SingleTokenizer, SingleTokenizerTextProcessor
+from serve_app.policies.single_tokenizer import TOKENIZER_SLOT, SingleTokenizer, WanTextProcessor
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
 HIGH_NOISE_EXPERT = PRIMARY_EXPERT  # Wan2.2's `transformer`: timesteps at or above the boundary
 LOW_NOISE_EXPERT = "transformer_2"  # Wan2.2's `transformer_2`: timesteps below it
 
@@ -139,16 +137,6 @@ def flow_match_scheduler(scheduler: Any) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=config.get("num_train_timesteps", 1000), shift=float(config["flow_shift"])
     )
-
-
-class WanTextProcessor(SingleTokenizerTextProcessor):
-    """Cleaned prompts (ftfy when installed, HTML unescaping, whitespace), as the stock ``prompt_clean``."""
-
-    family_name = "Wan"
-    default_max_length = DEFAULT_MAX_SEQUENCE_LENGTH
-
-    def format(self, prompt: str) -> str:
-        return prompt_clean(prompt)
 
 
 class WanPolicy(SingleTokenizer, DiffusionPolicy):

@@ -33,30 +33,12 @@ from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_de
 
 from serve_app.config.sampling import SamplingParams
 from serve_app.policies.base import DiffusionPolicy, stack_padded
-from serve_app.policies.single_tokenizer import (
-    TOKENIZER_SLOT,
-    SingleTokenizer,
-    SingleTokenizerTextProcessor,
-    padded_ids,
-)
+from serve_app.policies.single_tokenizer import TOKENIZER_SLOT, SingleTokenizer, ZImageTextProcessor, padded_ids
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the stock `__call__`'s max_sequence_length
 PATCH_SIZE = 2  # the stock pipeline's: it sizes latents by vae_scale_factor x 2 and calls the transformer's default
 # The stock loop's time transform: the transformer's time runs from 0 (noise) to 1 (image).
 TIME_SCALE = 1000.0
-
-
-class ZImageTextProcessor(SingleTokenizerTextProcessor):
-    """The chat-templated prompt; the policy pads it to ``max_sequence_length``, as the stock tokenizer call does."""
-
-    family_name = "Z-Image"
-    default_max_length = DEFAULT_MAX_SEQUENCE_LENGTH
-
-    def format(self, prompt: str) -> str:
-        return self._tokenizer(TOKENIZER_SLOT).apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=True,
-        )
 
 
 class ZImagePolicy(SingleTokenizer, DiffusionPolicy):

@@ -57,6 +57,22 @@ def _one(engine, chunk):
     return result
 
 
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_the_ingress_text_processor_is_the_policys_and_tokenizes_alike(conformance_policies, checkpoint):
+    """The ingress loads a family's text side by its row (serve_app.families: text_processor), without weights or
+    pipeline code: the same class as the policy's own, the same token ids."""
+    from serve_app.models import ensure_embedded_model
+    from serve_app.policies import load_text_processor
+
+    policy = conformance_policies(checkpoint)
+    alone = load_text_processor(ensure_embedded_model(checkpoint), family=CHECKPOINTS[checkpoint])
+    assert type(alone) is type(policy.text_processor())
+    prompts = [PROMPT, "  two &amp; dogs  ", "a cat " * 40]
+    for a, b in zip(alone.tokenize(prompts), policy.text_processor().tokenize(prompts)):
+        assert a.token_ids.keys() == b.token_ids.keys()
+        assert all(torch.equal(a.token_ids[k], b.token_ids[k]) for k in a.token_ids)
+
+
 @pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
 def test_a_samples_noise_depends_on_its_seed_only(conformance_policies, engine_name, checkpoint):
     policy = conformance_policies(checkpoint)

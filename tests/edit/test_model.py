@@ -5,7 +5,7 @@ import torch
 
 from serve_app.models import ensure_embedded_model
 from serve_app.policies import detect_family, load_configured_policy
-from serve_app.policies.qwen_image_edit import EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_HEADER, EDIT_TEMPLATE_PREFIX_TOKENS
+from serve_app.policies.qwen_text import EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_HEADER, EDIT_TEMPLATE_PREFIX_TOKENS
 from serve_app.worlds.edit import all_instructions
 from serve_app.worlds.edit.evaluation import eval_examples
 

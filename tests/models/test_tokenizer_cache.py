@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from serve_app.models import ensure_qwen2_tokenizer
 from serve_app.models.tokenizer_cache import load_tokenizer
-from serve_app.policies.qwen_image import QwenImageTextProcessor
-from serve_app.policies.wan import WanTextProcessor
+from serve_app.policies.qwen_text import QwenImageTextProcessor
+from serve_app.policies.single_tokenizer import WanTextProcessor
 
 
 def test_a_tokenizer_loads_once_and_each_caller_gets_its_own_attributes(flowgrpo_home, tmp_path):

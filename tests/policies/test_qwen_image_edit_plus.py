@@ -16,11 +16,11 @@ from serve_app.media import to_pil
 from serve_app.policies import detect_family, load_policy
 from serve_app.policies.base import ImageGeometry
 from serve_app.policies.qwen_image_edit_plus import (
-    PICTURE_TEMPLATE,
     STOCK_CONDITION_IMAGE_AREA,
     STOCK_VAE_IMAGE_AREA,
     QwenImageEditPlusPolicy,
 )
+from serve_app.policies.qwen_text import PICTURE_TEMPLATE
 
 from tests.policies.stock_resize import (
     near_ratios,

@@ -5,7 +5,7 @@ import torch
 
 from serve_app.models import ensure_embedded_model
 from serve_app.policies import detect_family, load_policy
-from serve_app.policies.qwen_image import PROMPT_TEMPLATE, TEMPLATE_PREFIX_TOKENS
+from serve_app.policies.qwen_text import PROMPT_TEMPLATE, TEMPLATE_PREFIX_TOKENS
 from serve_app.worlds.shapes.scene import all_prompts
 
 

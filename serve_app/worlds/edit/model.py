@@ -40,7 +40,7 @@ VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
 def _vocabulary_texts() -> list[str]:
-    from serve_app.policies.qwen_image_edit import EDIT_PROMPT_TEMPLATE
+    from serve_app.policies.qwen_text import EDIT_PROMPT_TEMPLATE
 
     from .instructions import all_instructions
 

@@ -57,7 +57,7 @@ class ShapesModelSpec(BaseModel):
 
 
 def _vocabulary_texts() -> list[str]:
-    from serve_app.policies.qwen_image import PROMPT_TEMPLATE
+    from serve_app.policies.qwen_text import PROMPT_TEMPLATE
     from serve_app.worlds.shapes.scene import all_prompts
 
     prompts = all_prompts() + [p.replace("a ", "one ", 1) for p in all_prompts() if p.startswith("a ")]
