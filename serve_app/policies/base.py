@@ -26,7 +26,6 @@ from serve_app.errors import InvalidRequestError
 from serve_app.flowgrpo.cfg import combine_cfg
 from serve_app.imports import import_object
 from serve_app.media import resize_image
-from serve_app.models.tokenizer_cache import pipeline_tokenizers
 from serve_app.config.sampling import SamplingParams
 from serve_app.schemas import PromptEmbeds, PromptTokens
 
@@ -335,6 +334,10 @@ class DiffusionPolicy(abc.ABC):
             )
             for name, path in (components or {}).items()
         }
+        # Imported here: transformers is for loading; what imports this module's types alone (the aggregator, the
+        # weight store) does without it.
+        from serve_app.models.tokenizer_cache import pipeline_tokenizers
+
         own = {**pipeline_tokenizers(local_dir), **own}
         pipeline = cls.pipeline_class.from_pretrained(str(local_dir), local_files_only=True, dtype=dtype, **own)
         return cls.from_pipeline(pipeline, device=device, dtype=dtype, settings=settings)
