@@ -9,13 +9,14 @@ as their final latents alone (`sampling.record final`), so no log-prob crosses t
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from serve_app.flowgrpo.sampler import Conditioning, denoise, initial_latents
-from serve_app.flowgrpo.seeding import derive_sample_seed, sample_generators
+from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import Trajectory
 from serve_app.trainer.config import DiffusionNFTSection
@@ -52,8 +53,11 @@ class ForwardDraws:
 def forward_generators(update_seed: int, epoch: int, sample_seeds: torch.Tensor) -> list[torch.Generator]:
     """One generator per sample for its forward draws in pass `epoch` of the update seeded `update_seed`, keyed by
     the sample's own seed: data-parallel ranks, each holding a shard of the batch, draw what one process would."""
-    seeds = [derive_sample_seed(update_seed, epoch, seed) for seed in sample_seeds.tolist()]
-    return sample_generators(torch.tensor(seeds, dtype=torch.long))
+    generators = []
+    for sample_seed in sample_seeds.tolist():
+        key = hashlib.blake2b(f"{update_seed}/{epoch}/{sample_seed}".encode(), digest_size=8).digest()
+        generators.append(torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1))
+    return generators
 
 
 def sampling_decay(section: DiffusionNFTSection, update: int) -> float:
