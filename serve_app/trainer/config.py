@@ -226,6 +226,12 @@ class TrainerSection(Section):
     # The prompt source's ImagePrompts (the texts are `prompts`), when it gave prompts with input images.
     _image_prompts: list[ImagePrompt] | None = PrivateAttr(None)
 
+    @property
+    def averages_sampling(self) -> bool:
+        """DiffusionNFT with a soft-updated sampling policy (diffusion_nft.sampling_decay_*): the versions published
+        are an average of the trained weights, not the trained weights."""
+        return self.algorithm == "diffusion_nft" and self.diffusion_nft.averages_sampling
+
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
         if self.prompt_source is not None:
@@ -250,8 +256,7 @@ class TrainerSection(Section):
                 f"trainer.prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer.distributed.workers "
                 f"({workers}): every worker replays the same number of whole groups"
             )
-        if (workers > 1 and self.distributed.strategy == "fsdp" and self.algorithm == "diffusion_nft"
-                and self.diffusion_nft.averages_sampling):
+        if workers > 1 and self.distributed.strategy == "fsdp" and self.averages_sampling:
             raise ValueError("trainer.diffusion_nft.sampling_decay_* is not supported with trainer.distributed.strategy "
                              "fsdp (the average of sharded weights is not implemented); use ddp or a decay of 0")
         if workers > 1 and self.distributed.strategy == "fsdp" and self.ema_decay is not None:

@@ -28,7 +28,6 @@ with the same weights.
 from __future__ import annotations
 
 import contextlib
-
 import math
 import random
 import time
@@ -324,7 +323,7 @@ class FlowGRPOTrainer:
         optimizer = self.parallel.full_optimizer_state(self.update.optimizer)
         kept = {}
         for version in self.model.kept_versions:  # the versions rollouts in flight may come from
-            if version != self.version or self.update.averages_sampling:  # (the current one: unless trained on)
+            if version != self.version or self.cfg.averages_sampling:  # (the current one: unless trained on)
                 with self.model.at_version(version):
                     kept[version] = self.parallel.full_tensors(self.model.trainable_state())
         if not self.parallel.is_leader:

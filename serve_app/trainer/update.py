@@ -110,7 +110,7 @@ class PolicyUpdate:
         # The trainable tensors of the versions a batch may still come from: this one and max_staleness before it
         # (none at max_staleness 0: every batch then comes from the weights the trainer holds).
         keep = cfg.max_staleness + 1 if cfg.max_staleness else 0
-        if self.averages_sampling:  # the version sampled is an average, never the trained weights: always kept
+        if cfg.averages_sampling:  # the version sampled is an average, never the trained weights: always kept
             keep = cfg.max_staleness + 1
         self.model = TrainableTransformer(policy, cfg.lora, keep_versions=keep)
         parallel.prepare(self.model)  # before the optimizer: fsdp replaces the parameters
@@ -121,17 +121,19 @@ class PolicyUpdate:
         self.ema = (EMAModel(self.model.parameters(), decay=cfg.ema_decay)
                     if cfg.ema_decay and parallel.is_leader else None)
 
-    @property
-    def averages_sampling(self) -> bool:
-        """DiffusionNFT with a soft-updated sampling policy (trainer.diffusion_nft.sampling_decay_*): the versions
-        published are an average of the trained weights, not the trained weights."""
-        return self.cfg.algorithm == "diffusion_nft" and self.cfg.diffusion_nft.averages_sampling
+    def sampled_with(self, trajectory: Trajectory, *, current: bool) -> contextlib.AbstractContextManager[None]:
+        """The weights that sampled `trajectory`, held for a block: the current ones when `current` (and they are the
+        ones published), else the kept tensors of its version (a batch in flight during updates, or DiffusionNFT's
+        soft-updated sampling policy)."""
+        if current and not self.cfg.averages_sampling:
+            return contextlib.nullcontext()
+        return self.model.at_version(trajectory.policy_version)
 
     def next_sampling_state(self, update: int, version: int) -> dict[str, torch.Tensor] | None:
         """With a soft-updated sampling policy, the tensors to publish after update `update` (0-based): d x the kept
         tensors of `version`, the sampling policy so far, + (1 - d) x the trained ones (d: nft.sampling_decay);
         None otherwise (the trained weights are published)."""
-        if not self.averages_sampling:
+        if not self.cfg.averages_sampling:
             return None
         decay = sampling_decay(self.cfg.diffusion_nft, update)
         old, trained = self.model.version_state(version), self.model.local_state()
@@ -184,10 +186,7 @@ class PolicyUpdate:
         x0 = final_latents(trajectory)
         batch = len(trajectory)
         generator = torch.Generator().manual_seed(seed)
-        # The sampling policy's velocity: the current weights, when they sampled the batch; else (a batch in flight
-        # during updates, or a soft-updated sampling policy) the kept tensors of the version that did.
-        kept = not current or self.averages_sampling
-        behaviour = self.model.at_version(trajectory.policy_version) if kept else contextlib.nullcontext()
+        behaviour = self.sampled_with(trajectory, current=current)
         draws = [ForwardDraws.of(x0, nft.draws, nft.t_range, forward_generators(seed, epoch, trajectory.seeds))
                  for epoch in range(cfg.inner_epochs)]
         with behaviour:
@@ -271,12 +270,8 @@ class PolicyUpdate:
     def _behaviour_means_of(self, trajectory: Trajectory, *, current: bool) -> list[torch.Tensor]:
         """[B, ...] transition means of every window step k under the weights that sampled the batch (the current
         ones when `current`, else that version's kept tensors), replayed in micro-batches."""
-        # The sampling policy's velocity: the current weights, when they sampled the batch; else (a batch in flight
-        # during updates, or a soft-updated sampling policy) the kept tensors of the version that did.
-        kept = not current or self.averages_sampling
-        behaviour = self.model.at_version(trajectory.policy_version) if kept else contextlib.nullcontext()
         rows = torch.arange(len(trajectory)).split(self.cfg.micro_batch_size)
-        with behaviour:
+        with self.sampled_with(trajectory, current=current):
             return [torch.cat([replay_step(self.policy, trajectory, k, rows=r).mean.cpu() for r in rows])
                     for k in range(trajectory.log_probs.shape[1])]
 
@@ -286,9 +281,8 @@ class PolicyUpdate:
         `current`, else that version's kept trainable tensors, swapped in for the replay and out after. The ranks
         exchange their log ratios, so with action "stop" a mismatch on any rank stops all of them before an
         optimizer step."""
-        behaviour = None if current else self.model.at_version(trajectory.policy_version)
         self.mismatch.check(self.policy, trajectory, seed=seed, micro_batch_size=self.cfg.micro_batch_size,
-                            behaviour=behaviour, gather=self.parallel.all_gather)
+                            behaviour=self.sampled_with(trajectory, current=current), gather=self.parallel.all_gather)
 
     def check_onpolicy(self, stats: UpdateStats, step: int, version: int) -> None:
         """Every rank's first replay must give ratio 1 on its rows; the ranks exchange their deviations, so a
