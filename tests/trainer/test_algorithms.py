@@ -163,13 +163,13 @@ def test_diffusion_nft_update_lowers_the_error_of_the_good_samples_and_raises_th
     cfg = config("trainer.lr=3e-3", "trainer.inner_epochs=1", "trainer.micro_batch_size=8", *NFT)
     update = PolicyUpdate(cfg.trainer, load_policy(tiny_qwen_dir, family="qwen_image"), DataParallel())
     x0 = final_latents(trajectory)
-    probe = ForwardDraws.of(x0, 4, (0.05, 0.95), forward_generators(99, 0, trajectory.seeds))
+    probe = ForwardDraws.of(x0, 16, (0.05, 0.95), forward_generators(99, 0, trajectory.seeds))
     rows = torch.arange(len(trajectory))
 
     def errors() -> torch.Tensor:
         with torch.no_grad():
             v = torch.stack([conditional_velocity(update.policy, trajectory, probe.x_t[:, d], probe.t[:, d], rows)
-                             for d in range(4)], 1)
+                             for d in range(16)], 1)
         return (v - probe.v_target).flatten(2).pow(2).mean(2).mean(1)
 
     before = errors()
