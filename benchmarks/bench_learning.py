@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--eval-every-minutes", type=float, default=2.5, help="evaluate at these marks of training time")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="trainer seed of the first repeat (the next ones count up)")
     parser.add_argument("--samples-per-prompt", type=int, default=32,
                         help="fixed evaluation seeds per prompt (32 x the 14 held-out prompts: a paired interval of ~+-5 points)")
     parser.add_argument("--splits", default="held_out", help="comma-separated splits to evaluate (train has 76 prompts)")
@@ -174,6 +175,7 @@ def main() -> None:
                         "torch_threads": torch.get_num_threads()},
             "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps,
                          "eval_every_minutes": args.eval_every_minutes, "repeats": args.repeats,
+                         "first_seed": args.first_seed,
                          "trainer_config": "trainer/shapes", "splits": splits,
                          "samples_per_prompt": args.samples_per_prompt,
                          "eval": "each split's prompts x samples_per_prompt fixed seeds (train capped by "
@@ -187,7 +189,7 @@ def main() -> None:
             for name in runs:
                 runs[name].append(run_variant(
                     name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
-                    eval_every_minutes=args.eval_every_minutes, seed=repeat, work=Path(scratch), splits=splits,
+                    eval_every_minutes=args.eval_every_minutes, seed=args.first_seed + repeat, work=Path(scratch), splits=splits,
                     samples=args.samples_per_prompt, keep_weights=args.keep_weights, eval_steps=args.eval_steps))
                 if args.out:
                     Path(args.out).write_text(json.dumps(report(complete=False), indent=2) + "\n")
