@@ -44,6 +44,9 @@ VARIANTS: dict[str, list[str]] = {
     # The other algorithms by their presets (configs/algorithm/), on the demo's world and clock.
     "mix_grpo": ["algorithm=mix_grpo"],
     "dance_grpo": ["algorithm=dance_grpo"],
+    # DanceGRPO at about twice its preset's noise: its constant std a sqrt(|dt|) is 1.7-5.3x below Flow-SDE's on
+    # the demo's window (sigma 1 to 0.75), where Flow-SDE's a sqrt(sigma / (1 - sigma)) is large.
+    "dance_grpo_noise1.5": ["algorithm=dance_grpo", "sampling.noise_level=1.5"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
     # DiffusionNFT sampling a soft-updated average of the trained weights (the paper's first schedule).
     "diffusion_nft_soft": ["algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_rate=0.001",
