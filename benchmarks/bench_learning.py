@@ -14,7 +14,9 @@ Prints JSON: per variant and repeat the evaluation curve (strict accuracy and su
 rollouts + updates, evaluations excluded - and images sampled), and per variant and split the
 min/median/max over repeats of the final change in strict-accuracy points, how many repeats'
 final change is distinguishable from zero, and the minutes and images it took to gain 10 and 20
-points (null when not reached). With --out, the JSON is rewritten after every run, so a long
+points (null when not reached); and per variant, split and repeat, its final strict accuracy minus the
+--paired-against variant's (the demo's) of the same repeat on the same images, with its 95% interval over
+prompts. With --out, the JSON is rewritten after every run, so a long
 benchmark stopped early keeps the repeats it finished ("complete": false).
 """
 
@@ -28,8 +30,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serve_app.local_ray import loopback_ray_env
+from serve_app.trainer.statistics import cluster_bootstrap_interval
+
+if TYPE_CHECKING:
+    from serve_app.trainer.evaluation import PairedReference
 
 loopback_ray_env()
 
@@ -74,7 +81,7 @@ def _spread(values: list[float | None]) -> dict[str, float | None] | None:
 
 def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: int, eval_every_minutes: float,
                 seed: int, work: Path, splits: list[str], samples: int, keep_weights: Path | None,
-                eval_steps: int | None = None) -> list[dict]:
+                eval_steps: int | None = None) -> tuple[list[dict], dict[str, PairedReference]]:
     from serve_app.app import AppArgs, run_local
     from serve_app.client import RolloutClient
     from serve_app.trainer.config import load_trainer_config
@@ -105,7 +112,25 @@ def run_variant(name: str, overrides: list[str], *, minutes: float, max_steps: i
         keep_weights.mkdir(parents=True, exist_ok=True)
         final = run_dir / "out" / f"{trainer.model.kind}_final.safetensors"
         final.replace(keep_weights / f"{name}-seed{seed}-{final.name}")
-    return [dict(r) for r in trainer.evaluator.log.rows]  # every split's rows, in order
+    # Every split's rows in order, and each split's per-image scores at the last evaluation.
+    return [dict(r) for r in trainer.evaluator.log.rows], dict(trainer.evaluator.latest)
+
+
+def paired_against(finals: list[dict[str, PairedReference]], baseline: list[dict[str, PairedReference]],
+                   split: str) -> dict:
+    """Repeat by repeat (the same trainer seed), a variant's final per-image strict accuracy minus the
+    baseline's on the same prompts and seeds, in points: the mean, and its 95% interval over prompts
+    (whole prompts resampled with all their seeds' differences)."""
+    differences, intervals = [], []
+    for mine, theirs in zip(finals, baseline):
+        keys = list(mine[split].values)
+        change = theirs[split].change([p for p, _ in keys], [s for _, s in keys], list(mine[split].values.values()))
+        lo, hi = cluster_bootstrap_interval(change, [p for p, _ in keys])
+        differences.append(100 * sum(change) / len(change))
+        intervals.append([100 * lo, 100 * hi])
+    return {"strict_difference_points": _spread(differences), "per_repeat": differences,
+            "prompt_interval_points": intervals,
+            "repeats_above": sum(lo > 0 for lo, _ in intervals), "repeats_below": sum(hi < 0 for _, hi in intervals)}
 
 
 def summarize(repeats: list[list[dict]], split: str) -> dict:
@@ -147,6 +172,8 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, default=None, help="ODE steps of an evaluation (default: the config's)")
     parser.add_argument("--variants", default="demo,full_sde", help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--out", default=None, help="also write the JSON here, after every run")
+    parser.add_argument("--paired-against", default="demo",
+                        help="the variant every other one is paired with, repeat by repeat, on the same images")
     parser.add_argument("--keep-weights", type=Path, default=None, help="keep each run's final weights in this folder")
     args = parser.parse_args()
 
@@ -162,6 +189,8 @@ def main() -> None:
         resolved.setdefault(name, key)
     splits = args.splits.split(",")
     runs: dict[str, list[list[dict]]] = {name: [] for name in same_as if same_as[name] is None}
+    finals: dict[str, list[dict[str, PairedReference]]] = {name: [] for name in runs}
+    baseline = same_as.get(args.paired_against) or args.paired_against
     started = time.perf_counter()
 
     def report(complete: bool) -> dict:
@@ -171,6 +200,9 @@ def main() -> None:
             variants[name] = {"overrides": VARIANTS[name], "same_run_as": other, "repeats_done": len(repeats)}
             if repeats:
                 variants[name].update({split: summarize(repeats, split) for split in splits}, curves=repeats)
+            if baseline in finals and (other or name) != baseline and finals[baseline] and repeats:
+                variants[name][f"minus_{args.paired_against}"] = {
+                    split: paired_against(finals[other or name], finals[baseline], split) for split in splits}
         return {
             "benchmark": "bench_learning",
             "complete": complete,
@@ -178,7 +210,7 @@ def main() -> None:
                         "torch_threads": torch.get_num_threads()},
             "settings": {"minutes_per_variant": args.minutes, "max_steps": args.max_steps,
                          "eval_every_minutes": args.eval_every_minutes, "repeats": args.repeats,
-                         "first_seed": args.first_seed,
+                         "first_seed": args.first_seed, "paired_against": args.paired_against,
                          "trainer_config": "trainer/shapes", "splits": splits,
                          "samples_per_prompt": args.samples_per_prompt,
                          "eval": "each split's prompts x samples_per_prompt fixed seeds (train capped by "
@@ -190,10 +222,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as scratch:
         for repeat in range(args.repeats):
             for name in runs:
-                runs[name].append(run_variant(
+                rows, latest = run_variant(
                     name, VARIANTS[name], minutes=args.minutes, max_steps=args.max_steps,
                     eval_every_minutes=args.eval_every_minutes, seed=args.first_seed + repeat, work=Path(scratch), splits=splits,
-                    samples=args.samples_per_prompt, keep_weights=args.keep_weights, eval_steps=args.eval_steps))
+                    samples=args.samples_per_prompt, keep_weights=args.keep_weights, eval_steps=args.eval_steps)
+                runs[name].append(rows)
+                finals[name].append(latest)
                 if args.out:
                     Path(args.out).write_text(json.dumps(report(complete=False), indent=2) + "\n")
     text = json.dumps(report(complete=True), indent=2)

@@ -194,6 +194,8 @@ class RunEvaluator:
                               columns=BASE_COLUMNS + list(self.evaluator.columns) + paired)
         self.references = {split: PairedReference.load(self._reference_path(split)) for split in self.splits
                            if append and self._reference_path(split).is_file()}
+        # Each split's latest per-image headline: what pairs this run with another run's on the same images.
+        self.latest: dict[str, PairedReference] = {}
 
     @property
     def first_split_rows(self) -> list[dict[str, Any]]:
@@ -269,6 +271,7 @@ class RunEvaluator:
         if split not in self.references:
             self.references[split] = PairedReference(step, dict(zip(zip(prompts, seeds), per_image)))
             self.references[split].save(self._reference_path(split))
+        self.latest[split] = PairedReference(step, dict(zip(zip(prompts, seeds), per_image)))
         change = self.references[split].change(prompts, seeds, per_image)
         lo, hi = bootstrap_interval(change, confidence=CONFIDENCE)
         prompt_lo, prompt_hi = cluster_bootstrap_interval(change, prompt_index, confidence=CONFIDENCE)

@@ -189,6 +189,33 @@ def test_bench_learning(flowgrpo_home, tmp_path):
             assert lo <= value <= hi
 
 
+def test_bench_learning_pairs_a_variant_with_the_baseline_of_its_repeat_on_the_same_images():
+    """The paired difference against the demo: per repeat, the mean over images of (variant - baseline) on each
+    (prompt, seed), whatever order the two runs listed their images in; its interval resamples prompts."""
+    import importlib.util
+
+    from serve_app.trainer.evaluation import PairedReference
+
+    spec = importlib.util.spec_from_file_location("bench_learning", REPO / "benchmarks" / "bench_learning.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def scores(values: dict) -> dict:
+        return {"held_out": PairedReference(5, values)}
+
+    baseline = {("a", 0): 0.0, ("a", 1): 1.0, ("b", 0): 0.0, ("b", 1): 0.0, ("c", 0): 1.0, ("c", 1): 0.0}
+    better = {("c", 1): 1.0, ("b", 1): 1.0, ("b", 0): 1.0, ("a", 1): 1.0, ("a", 0): 1.0, ("c", 0): 1.0}  # +4 of 6
+    result = bench.paired_against([scores(better), scores(baseline)], [scores(baseline), scores(baseline)], "held_out")
+    assert result["per_repeat"] == [pytest.approx(200 / 3), 0.0]
+    (lo, hi), same = result["prompt_interval_points"]
+    # Prompts a and c gain one image of two, b two of two: a resample's mean lies between 50 and 100 points.
+    assert 50.0 <= lo < 200 / 3 < hi <= 100.0 and same == [0.0, 0.0]
+    assert result["strict_difference_points"]["median"] == pytest.approx(100 / 3)
+    assert (result["repeats_above"], result["repeats_below"]) == (1, 0)
+    with pytest.raises(ValueError, match="not the same ones"):  # other images cannot be paired
+        bench.paired_against([scores({("a", 0): 1.0})], [scores(baseline)], "held_out")
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_bench_pipeline(flowgrpo_home):
