@@ -268,10 +268,10 @@ class RunEvaluator:
         becomes the reference (and is saved)."""
         if per_image is None:
             raise TypeError(f"{type(self.evaluator).__name__} is paired but its score gave no per-image values")
-        if split not in self.references:
-            self.references[split] = PairedReference(step, dict(zip(zip(prompts, seeds), per_image)))
-            self.references[split].save(self._reference_path(split))
         self.latest[split] = PairedReference(step, dict(zip(zip(prompts, seeds), per_image)))
+        if split not in self.references:
+            self.references[split] = self.latest[split]
+            self.references[split].save(self._reference_path(split))
         change = self.references[split].change(prompts, seeds, per_image)
         lo, hi = bootstrap_interval(change, confidence=CONFIDENCE)
         prompt_lo, prompt_hi = cluster_bootstrap_interval(change, prompt_index, confidence=CONFIDENCE)
