@@ -11,6 +11,11 @@ from serve_app.local_ray import free_loopback_port
 # Every Ray process a test starts stays on 127.0.0.1 and requires this session's token (CLI and API alike).
 loopback_ray_env()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under xdist (`make test`: one worker per core) a worker's second intra-op thread finds no free core: it
+# only contends with the other worker and spins in OpenMP's barriers. One thread per worker, and per
+# process it starts, before torch is imported here (OpenMP reads this once, at load).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
