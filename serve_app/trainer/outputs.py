@@ -111,29 +111,61 @@ def save_image_grid(images: torch.Tensor, path: Path, *, columns: int) -> None:
     Image.fromarray(grid.permute(1, 2, 0).contiguous().numpy()).save(path)
 
 
+# Pixels per inch of a captioned grid: its cells and font sizes are given in inches and points, as a figure's.
+GRID_DPI = 130
+_PASSED, _FAILED = (0, 100, 0), (139, 0, 0)  # dark green, dark red
+
+
+def _wrapped(text: str, font, width: float) -> list[str]:
+    """`text`'s lines, each broken at spaces to fit `width` pixels (a word longer than that keeps a line of its own)."""
+    lines = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if line and font.getlength(candidate) > width:
+                lines.append(line)
+                candidate = word
+            line = candidate
+        lines.append(line)
+    return lines
+
+
 def save_captioned_grid(pictures: Sequence[np.ndarray], captions: Sequence[str], passed: Sequence[bool], path: Path, *,
                         columns: int, cell_inches: tuple[float, float], fontsize: float = 5.5, title: str = "",
                         title_size: float = 9) -> Path:
-    """Pictures (uint8 [H, W, 3]) in a grid of `columns`, each captioned, green when it `passed` and red when
-    not (the worlds' evaluation grids)."""
-    import matplotlib
+    """Pictures (uint8 [H, W, 3]) in a grid of `columns`, each scaled up (nearest) above its caption, the caption
+    green when it `passed` and red when not (the worlds' evaluation grids). Drawn with PIL: an evaluation of a
+    hundred images writes its grid in milliseconds, where laying out as many captioned plots took seconds."""
+    from PIL import Image, ImageDraw, ImageFont
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    pad = 4
+    cell_w, cell_h = (round(inches * GRID_DPI) for inches in cell_inches)
+    font = ImageFont.load_default(size=fontsize * GRID_DPI / 72)
+    title_font = ImageFont.load_default(size=title_size * GRID_DPI / 72)
+    line_h = font.getbbox("Ag")[3] + 2
+    wrapped = [_wrapped(caption, font, cell_w - 2 * pad) for caption in captions]
+    caption_h = max((len(lines) for lines in wrapped), default=0) * line_h
+    title_lines = _wrapped(title, title_font, columns * cell_w - 2 * pad) if title else []
+    title_h = len(title_lines) * (title_font.getbbox("Ag")[3] + 2) + (pad if title else 0)
     rows = -(-len(pictures) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(cell_inches[0] * columns, cell_inches[1] * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, picture, caption, ok in zip(axes.flat, pictures, captions, passed):
-        ax.imshow(picture, interpolation="nearest")
-        ax.set_title(caption, fontsize=fontsize, color="darkgreen" if ok else "darkred")
+    canvas = Image.new("RGB", (columns * cell_w, title_h + rows * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)
     if title:
-        fig.suptitle(title, fontsize=title_size)
-    fig.tight_layout()
+        draw.multiline_text((canvas.width / 2, pad), "\n".join(title_lines), fill="black", font=title_font,
+                            anchor="ma", align="center")
+    room_w, room_h = cell_w - 2 * pad, max(cell_h - caption_h - 3 * pad, 1)
+    for i, (picture, lines, ok) in enumerate(zip(pictures, wrapped, passed)):
+        row, column = divmod(i, columns)
+        left, top = column * cell_w, title_h + row * cell_h
+        image = Image.fromarray(np.ascontiguousarray(picture))
+        scale = min(room_w / image.width, room_h / image.height)
+        image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.NEAREST)
+        canvas.paste(image, (left + (cell_w - image.width) // 2, top + pad))
+        draw.multiline_text((left + cell_w / 2, top + 2 * pad + image.height), "\n".join(lines), font=font,
+                            fill=_PASSED if ok else _FAILED, anchor="ma", align="center")
     path = Path(path)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    canvas.save(path)
     return path
 
 
