@@ -231,7 +231,8 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
                 if peak < 2 and time.monotonic() < deadline:
                     in_flight[pool.submit(request, sent)] = sent
                     sent += 1
-            peak = max(peak, _running_replicas())
+            if peak < 2:  # serve.status() costs the driver a third of a second of CPU: asked until the peak is seen
+                peak = max(peak, _running_replicas())
     assert peak == 2 and pinned
     # Keep asking after the scale-up, so requests reach the new replica too; these batches' tensors stay
     # where the replicas made them (fetch=False) until after the scale-down.
@@ -274,7 +275,7 @@ def _live_replica_ids() -> set[str]:
 def _wait_for_replicas(count: int, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _running_replicas() != count:
-        time.sleep(0.5)
+        time.sleep(1.0)
 
 
 def test_backpressure_gives_503_with_a_message(cluster):

@@ -1,8 +1,8 @@
 """A trainer SIGKILLed at every phase of a step resumes into the run it would have been.
 
 The app runs on the session's shared cluster (tests/conftest.py), so it outlives the trainers; each trainer is
-a process of its own that trains over the HTTP API (no Ray in it: a killed trainer is a lost HTTP client to the
-service). One run goes straight through 5 steps. Another is killed four times, once at each phase
+a process of its own (forked from a server that imported the trainer once: tests/forked.py) that trains over the
+HTTP API (no Ray in it: a killed trainer is a lost HTTP client to the service). One run goes straight through 5 steps. Another is killed four times, once at each phase
 (serve_app.trainer.faults: the rollout in flight at step 1, inside the update of step 2, between publishing
 step 3's version and checkpointing it, halfway through writing step 4's checkpoint), each time resumed at once
 with --resume, and ends at step 5 with the straight run's weights, bitwise, and no object left in the store.
@@ -13,8 +13,6 @@ the same computation in both runs, wherever it is cut.
 import csv
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from serve_app.http_client import HttpRolloutClient
+from tests.forked import Finished, run_forked
 from tests.object_store import back_to, objects
 
 pytestmark = pytest.mark.cluster
@@ -54,31 +53,39 @@ def app(ray_cluster, tmp_path_factory):
     serve.delete(APP)
 
 
-def _train(app, out: Path, *, crash_at: str | None = None, resume: bool = False) -> subprocess.CompletedProcess:
+# Each trainer is a child of one forkserver that imported these once (tests/forked.py).
+TRAINER_MODULES = ["serve_app.trainer.__main__", "serve_app.trainer.loop", "serve_app.http_client",
+                   "serve_app.policies.qwen_image"]
+
+
+def _train(app, out: Path, *, crash_at: str | None = None, resume: bool = False) -> Finished:
     url, token, overrides = app
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("FLOWGRPO_CRASH_AT", None)
     if crash_at is not None:
         env["FLOWGRPO_CRASH_AT"] = crash_at
-    command = [sys.executable, "-m", "serve_app.trainer", "--url", url, "--token-file", str(token), "--steps", str(STEPS),
-               "--out", str(out), *(["--resume", str(out / "checkpoint")] if resume else []), *overrides, *TRAINER]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["--url", url, "--token-file", str(token), "--steps", str(STEPS), "--out", str(out),
+            *(["--resume", str(out / "checkpoint")] if resume else []), *overrides, *TRAINER]
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}-{crash_at or 'to-the-end'}{'-resumed' if resume else ''}.log"
+    return run_forked("serve_app.trainer.__main__:main", argv, env=env, log=log, preload=TRAINER_MODULES,
+                      timeout_s=300)
 
 
 def test_a_trainer_killed_at_every_phase_resumes_into_the_run_it_would_have_been(app, tmp_path):
     url, token, _ = app
     client = HttpRolloutClient(url, token.read_text())
     straight = _train(app, tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight.returncode == 0, straight.output[-3000:]
     published = [v.policy_version for v in client.versions().versions if v.policy_version > 0]
     assert published == list(range(1, STEPS + 1))
     before = objects()
 
     for i, crash_at in enumerate(CRASHES):
         killed = _train(app, tmp_path / "killed", crash_at=crash_at, resume=i > 0)
-        assert killed.returncode == -signal.SIGKILL, (crash_at, killed.returncode, killed.stderr[-3000:])
+        assert killed.returncode == -signal.SIGKILL, (crash_at, killed.returncode, killed.output[-3000:])
     resumed = _train(app, tmp_path / "killed", resume=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.output[-3000:]
 
     mine = load_file(tmp_path / "killed" / "lora_final.safetensors")
     theirs = load_file(tmp_path / "straight" / "lora_final.safetensors")
