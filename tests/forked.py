@@ -32,16 +32,32 @@ def _main_in_child(target: str, argv: list[str], env: dict[str, str], log: str) 
     sys.exit(getattr(import_module(module), name)(argv))
 
 
-def run_forked(target: str, argv: Sequence[str], *, env: dict[str, str], log: Path, preload: Sequence[str],
-               timeout_s: float) -> Finished:
-    """Run `target` ("module:function", called with argv) in a child of the forkserver; kill it after timeout_s."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))  # read when the server starts: the first run of the session
-    child = context.Process(target=_main_in_child, args=(target, list(argv), dict(env), str(log)))
-    child.start()
-    child.join(timeout_s)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        raise TimeoutError(f"{target} {' '.join(argv)} ran past {timeout_s} s:\n{Path(log).read_text()[-3000:]}")
-    return Finished(child.exitcode, Path(log).read_text())
+# What a trainer process imports: the server imports it once for every run of the session (its first run's list
+# is the one read, so every test passes this one).
+TRAINER_MODULES = ("serve_app.trainer.__main__", "serve_app.trainer.loop", "serve_app.http_client",
+                   "serve_app.policies.qwen_image", "torch.distributed.fsdp")
+
+
+class ForkedRun:
+    """`target` ("module:function", called with argv) running in a child of the forkserver."""
+
+    def __init__(self, target: str, argv: Sequence[str], *, env: dict[str, str], log: Path,
+                 preload: Sequence[str] = TRAINER_MODULES):
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(preload))  # read when the server starts: the first run of the session
+        self.what, self.log = f"{target} {' '.join(argv)}", Path(log)
+        self.child = context.Process(target=_main_in_child, args=(target, list(argv), dict(env), str(log)))
+        self.child.start()
+
+    def wait(self, timeout_s: float) -> Finished:
+        """Its exit status and output; killed, and TimeoutError, after timeout_s."""
+        self.child.join(timeout_s)
+        if self.child.is_alive():
+            self.child.kill()
+            self.child.join()
+            raise TimeoutError(f"{self.what} ran past {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+        return Finished(self.child.exitcode, self.log.read_text())
+
+
+def run_forked(target: str, argv: Sequence[str], *, env: dict[str, str], log: Path, timeout_s: float) -> Finished:
+    return ForkedRun(target, argv, env=env, log=log).wait(timeout_s)

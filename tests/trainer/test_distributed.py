@@ -7,14 +7,14 @@ first replay must give ratio 1. Ray Train's TorchTrainer (ddp, the `--workers` p
 deployed on a local cluster: 2 steps give one process's weights within 1e-5, and a run with a rank killed
 mid-update gives the uninterrupted run's, bitwise.
 
-Run as a script, this file is one rank of the plain gloo runs (see _rank_main).
+The plain gloo runs' ranks are processes forked from a server that imported the trainer once (rank_process,
+tests/forked.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from serve_app.local_ray import free_loopback_port
+from tests.forked import ForkedRun
 
 # 2 prompts x 4 samples, 3 stochastic steps; micro-batches of 3 rows (uneven: 3+3+2 in one process, 3+1
 # per rank), 2 inner epochs (the second step moves A as well as B, and its ratios are not 1), a KL term.
@@ -237,26 +238,16 @@ def _wait_for_free_cpus(amount: float, timeout_s: float = 60.0) -> None:
 
 
 def _run_ranks(tmp_path: Path, scenarios: list[dict], timeout_s: float = 240) -> list[dict]:
-    """This file as 2 processes, one gloo rank each, on 127.0.0.1; returns each rank's results."""
+    """2 processes, one gloo rank each (rank_process), on 127.0.0.1; returns each rank's results."""
     port = free_loopback_port()
-    # The ranks import the serve_app beside this file (not another checkout's installed one).
-    repo = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    procs = []
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    runs = []
     for rank in range(2):
         spec = {"rank": rank, "world": 2, "port": port, "scenarios": scenarios, "result": str(tmp_path / f"rank{rank}.json")}
-        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, output in zip(procs, outputs):
-        assert p.returncode == 0, output[-4000:]
+        runs.append(ForkedRun(f"{__name__}:rank_process", [json.dumps(spec)], env=env, log=tmp_path / f"rank{rank}.log"))
+    finished = [run.wait(timeout_s) for run in runs]
+    for run in finished:
+        assert run.returncode == 0, run.output[-4000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -396,12 +387,14 @@ def _replay_version_0(trainer, batch, rank: int, world: int) -> dict[str, float]
             "restored_dev": float((restored - trained).abs().max())}
 
 
-if __name__ == "__main__":
-    _rank_main(json.loads(sys.argv[1]))
+def rank_process(argv: list[str]) -> None:
+    """One rank's process (tests/forked.py runs it): argv is its spec as JSON."""
+    _rank_main(json.loads(argv[0]))
     # The rank has reported. Leave without the interpreter's teardown: after an FSDP scenario, static
     # destruction at exit meets a gloo thread still joinable and aborts the process (SIGABRT, "terminate
     # called without an active exception", no Python frame) in 2 of 9 runs measured.
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

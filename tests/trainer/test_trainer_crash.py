@@ -53,11 +53,6 @@ def app(ray_cluster, tmp_path_factory):
     serve.delete(APP)
 
 
-# Each trainer is a child of one forkserver that imported these once (tests/forked.py).
-TRAINER_MODULES = ["serve_app.trainer.__main__", "serve_app.trainer.loop", "serve_app.http_client",
-                   "serve_app.policies.qwen_image"]
-
-
 def _train(app, out: Path, *, crash_at: str | None = None, resume: bool = False) -> Finished:
     url, token, overrides = app
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -68,8 +63,7 @@ def _train(app, out: Path, *, crash_at: str | None = None, resume: bool = False)
             *(["--resume", str(out / "checkpoint")] if resume else []), *overrides, *TRAINER]
     out.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}-{crash_at or 'to-the-end'}{'-resumed' if resume else ''}.log"
-    return run_forked("serve_app.trainer.__main__:main", argv, env=env, log=log, preload=TRAINER_MODULES,
-                      timeout_s=300)
+    return run_forked("serve_app.trainer.__main__:main", argv, env=env, log=log, timeout_s=300)
 
 
 def test_a_trainer_killed_at_every_phase_resumes_into_the_run_it_would_have_been(app, tmp_path):
