@@ -1,13 +1,13 @@
 """A trainer SIGKILLed at every phase of a step resumes into the run it would have been.
 
-The app runs on the session's shared cluster (tests/conftest.py), so it outlives the trainers; each trainer is
-a process of its own (forked from a server that imported the trainer once: tests/forked.py) that trains over the
-HTTP API (no Ray in it: a killed trainer is a lost HTTP client to the service). One run goes straight through 5 steps. Another is killed four times, once at each phase
-(serve_app.trainer.faults: the rollout in flight at step 1, inside the update of step 2, between publishing
-step 3's version and checkpointing it, halfway through writing step 4's checkpoint), each time resumed at once
-with --resume, and ends at step 5 with the straight run's weights, bitwise, and no object left in the store.
-One torch thread everywhere and chunks never fused (replica.max_batch_size 1): each rollout and each update is
-the same computation in both runs, wherever it is cut.
+The app runs on the session's shared cluster (tests/conftest.py), so it outlives the trainers; each trainer is a
+process of its own (forked from a server that imported the trainer once: tests/forked.py) that trains over the HTTP
+API (no Ray in it: a killed trainer is a lost HTTP client to the service). One run goes straight through 5 steps.
+Another is killed four times, once at each phase (serve_app.trainer.faults: the rollout in flight at step 1, inside
+the update of step 2, between publishing step 3's version and checkpointing it, halfway through writing step 4's
+checkpoint), each time resumed at once with --resume, and ends at step 5 with the straight run's weights, bitwise,
+and no object left in the store. One torch thread everywhere and chunks never fused (replica.max_batch_size 1):
+each rollout and each update is the same computation in both runs, wherever it is cut.
 """
 
 import csv
