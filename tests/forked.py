@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Finished:
@@ -43,6 +44,10 @@ class ForkedRun:
 
     def __init__(self, target: str, argv: Sequence[str], *, env: dict[str, str], log: Path,
                  preload: Sequence[str] = TRAINER_MODULES):
+        # The server takes this process's sys.path when it starts, and imports `target` and this module by name:
+        # under the `pytest` entry point (not `python -m pytest`) the repository root is not on it.
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(preload))  # read when the server starts: the first run of the session
         self.what, self.log = f"{target} {' '.join(argv)}", Path(log)
@@ -55,8 +60,12 @@ class ForkedRun:
         if self.child.is_alive():
             self.child.kill()
             self.child.join()
-            raise TimeoutError(f"{self.what} ran past {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-        return Finished(self.child.exitcode, self.log.read_text())
+            raise TimeoutError(f"{self.what} ran past {timeout_s} s:\n{self._output()[-3000:]}")
+        return Finished(self.child.exitcode, self._output())
+
+    def _output(self) -> str:
+        # A child that failed before it opened its log (it could not import `target`) says so on the server's stderr.
+        return self.log.read_text() if self.log.exists() else f"no output: see stderr for {self.what}"
 
 
 def run_forked(target: str, argv: Sequence[str], *, env: dict[str, str], log: Path, timeout_s: float) -> Finished:
