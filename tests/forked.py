@@ -1,6 +1,6 @@
 """A command-line `main(argv)` run in a process of its own, forked from a server that imported it once.
 
-Python's forkserver start method: the server imports the `preload` modules once (torch, diffusers and the
+Python's forkserver start method: the server imports TRAINER_MODULES once (torch, diffusers and the
 trainer take about 8 s of CPU), and each run is a fresh child forked from it, with the environment given, its own
 pid and its own output. A test that starts many short trainers, and kills some, pays the imports once.
 """
@@ -16,6 +16,7 @@ from importlib import import_module
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -33,8 +34,7 @@ def _main_in_child(target: str, argv: list[str], env: dict[str, str], log: str) 
     sys.exit(getattr(import_module(module), name)(argv))
 
 
-# What a trainer process imports: the server imports it once for every run of the session (its first run's list
-# is the one read, so every test passes this one).
+# What a trainer process imports: the server imports it once, when it starts, for every run of the session.
 TRAINER_MODULES = ("serve_app.trainer.__main__", "serve_app.trainer.loop", "serve_app.http_client",
                    "serve_app.policies.qwen_image", "torch.distributed.fsdp")
 
@@ -42,14 +42,13 @@ TRAINER_MODULES = ("serve_app.trainer.__main__", "serve_app.trainer.loop", "serv
 class ForkedRun:
     """`target` ("module:function", called with argv) running in a child of the forkserver."""
 
-    def __init__(self, target: str, argv: Sequence[str], *, env: dict[str, str], log: Path,
-                 preload: Sequence[str] = TRAINER_MODULES):
+    def __init__(self, target: str, argv: Sequence[str], *, env: dict[str, str], log: Path):
         # The server takes this process's sys.path when it starts, and imports `target` and this module by name:
         # under the `pytest` entry point (not `python -m pytest`) the repository root is not on it.
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(preload))  # read when the server starts: the first run of the session
+        context.set_forkserver_preload(list(TRAINER_MODULES))
         self.what, self.log = f"{target} {' '.join(argv)}", Path(log)
         self.child = context.Process(target=_main_in_child, args=(target, list(argv), dict(env), str(log)))
         self.child.start()

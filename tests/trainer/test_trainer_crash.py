@@ -25,7 +25,6 @@ from tests.object_store import back_to, objects
 
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[2]
 APP = "flowgrpo-crash"
 STEPS = 5
 CRASHES = ["rollout@1", "update@2", "publish@3", "checkpoint@4"]
@@ -55,13 +54,12 @@ def app(ray_cluster, tmp_path_factory):
 
 def _train(app, out: Path, *, crash_at: str | None = None, resume: bool = False) -> Finished:
     url, token, overrides = app
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     env.pop("FLOWGRPO_CRASH_AT", None)
     if crash_at is not None:
         env["FLOWGRPO_CRASH_AT"] = crash_at
     argv = ["--url", url, "--token-file", str(token), "--steps", str(STEPS), "--out", str(out),
             *(["--resume", str(out / "checkpoint")] if resume else []), *overrides, *TRAINER]
-    out.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}-{crash_at or 'to-the-end'}{'-resumed' if resume else ''}.log"
     return run_forked("serve_app.trainer.__main__:main", argv, env=env, log=log, timeout_s=300)
 
