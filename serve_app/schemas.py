@@ -183,7 +183,8 @@ class Trajectory:
     """Sampled trajectories of B samples (one chunk, or a whole request once aggregated).
 
     latents:          [B, K+1, *latent_shape] the latents entering each stochastic step and the last one's output
-                      (sampling.record final: K = 0 and latents[:, 0] are the final latents).
+                      (sampling.record final: no log-probs; latents[:, 0] are the latents after the first step and
+                      latents[:, 1] the final ones).
     log_probs:        [B, K] float32 log-probs of each stochastic transition.
     sigmas:           [N+1] float32 the full schedule (N = num_steps).
     step_indices:     [K] long, which steps of the schedule are recorded stochastic steps (the SDE window).

@@ -74,9 +74,9 @@ class SamplingParams(BaseModel):
     record: Literal["window", "final"] = Field(
         "window",
         description="What the trajectory keeps: window (the latents entering each SDE step and after the last, "
-        "with their log-probs: what a ratio-based trainer replays) or final (the final latents alone, no "
-        "log-probs: what a forward-process trainer such as DiffusionNFT needs). With final and noise_level 0 "
-        "every step is the ode_solver's.",
+        "with their log-probs: what a ratio-based trainer replays) or final (the latents after the first step and "
+        "the final ones, no log-probs: what a forward-process trainer such as DiffusionNFT trains on and checks its "
+        "velocity by). With final and noise_level 0 every step is the ode_solver's.",
     )
     seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="Request seed; per-sample seeds derive from it.")
     group_noise: Literal["independent", "shared"] = Field(

@@ -139,6 +139,7 @@ class DenoiseResult:
     final_latents: torch.Tensor
     window_latents: torch.Tensor  # [B, K+1, ...]
     log_probs: torch.Tensor  # [B, K]
+    first_step_latents: torch.Tensor | None = None  # [B, ...] after the loop's first step (None: no step ran)
 
 
 @torch.no_grad()
@@ -158,23 +159,26 @@ def denoise(
     recorded: list[torch.Tensor] = []
     log_probs: list[torch.Tensor] = []
     history = SolverHistory()
+    first_step = None
     for i in range(start, params.num_steps):
         if i not in stochastic:
             latents, history = deterministic_transition(
                 policy, latents, sigmas[i], sigmas[i + 1], conditioning, params, history)
-            continue
-        recorded.append(latents)
-        result = transition(policy, latents, sigmas[i], sigmas[i + 1], conditioning, params, generator=generators)
-        latents = result.prev_sample
-        log_probs.append(result.log_prob)
-        # A multistep solver's history belongs to the deterministic path the sample has just left.
-        history = SolverHistory()
-        if i + 1 not in stochastic:
+        else:
             recorded.append(latents)
+            result = transition(policy, latents, sigmas[i], sigmas[i + 1], conditioning, params, generator=generators)
+            latents = result.prev_sample
+            log_probs.append(result.log_prob)
+            # A multistep solver's history belongs to the deterministic path the sample has just left.
+            history = SolverHistory()
+            if i + 1 not in stochastic:
+                recorded.append(latents)
+        if first_step is None:
+            first_step = latents
     batch = latents.shape[0]
     window = torch.stack(recorded, dim=1) if recorded else latents.new_zeros((batch, 0, *latents.shape[1:]))
     logp = torch.stack(log_probs, dim=1) if log_probs else torch.zeros(batch, 0)
-    return DenoiseResult(latents, window, logp.float())
+    return DenoiseResult(latents, window, logp.float(), first_step)
 
 
 def initial_latents(policy: SamplingPolicy, params: SamplingParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -192,20 +196,20 @@ def shared_prefix(
     params: SamplingParams,
     *,
     until: int,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The latents entering step `until` of every sample when each group shares its initial noise: the
     deterministic steps before it run once per group (one row per distinct group seed), then each
-    group's latent is repeated for its samples. Returns [B, ...]."""
+    group's latent is repeated for its samples. Returns the latents [B, ...] and, when `until` > 0, those after
+    the first step [B, ...] (else None)."""
     groups, member = torch.unique(group_seeds, return_inverse=True)
     leader = torch.tensor([int((member == g).nonzero()[0]) for g in range(len(groups))])
     group_conditioning = Conditioning(conditioning.prompts, conditioning.embed_row[leader.to(conditioning.embed_row.device)],
                                       conditioning.negative)
-    latents = initial_latents(policy, params, sample_generators(groups))
-    history = SolverHistory()
-    for i in range(until):
-        latents, history = deterministic_transition(
-            policy, latents, sigmas[i], sigmas[i + 1], group_conditioning, params, history)
-    return latents[member.to(latents.device)]
+    result = denoise(policy, group_conditioning, initial_latents(policy, params, sample_generators(groups)), sigmas, [],
+                     params.model_copy(update={"num_steps": until}), [])
+    member = member.to(result.final_latents.device)
+    first = None if result.first_step_latents is None else result.first_step_latents[member]
+    return result.final_latents[member], first
 
 
 def rollout(
@@ -222,7 +226,8 @@ def rollout(
     group_seeds: torch.Tensor | None = None,
 ) -> Trajectory:
     """Sample B trajectories (B = len(seeds)) and record the SDE window's latents and log-probs (or, with
-    `params.record` final, the final latents alone: latents [B, 1, ...], log_probs [B, 0], no step indices).
+    `params.record` final, the latents after the first step and the final ones: latents [B, 2, ...], log_probs
+    [B, 0], no step indices).
 
     prompt_index / sample_index [B] say where each sample belongs in its request (kept, not used);
     policy_version / weights_hash are the stamp of the weights the policy holds. With group_seeds [B]
@@ -242,18 +247,20 @@ def rollout(
     # 2. Schedule and per-sample noise streams
     sigmas = policy.sigma_schedule(params.num_steps, params.height, params.width, params.num_frames).to(policy.device)
     generators = sample_generators(seeds)
+    first_step = None
     if group_seeds is None:
         start, latents = 0, initial_latents(policy, params, generators)
     else:
         start = steps[0] if steps else params.num_steps
-        latents = shared_prefix(policy, conditioning, group_seeds, sigmas, params, until=start)
+        latents, first_step = shared_prefix(policy, conditioning, group_seeds, sigmas, params, until=start)
     # 3. Denoising loop
     result = denoise(policy, conditioning, latents, sigmas, steps, params, generators, start=start)
     # 4. Decode
     images = to_uint8(policy.decode(result.final_latents, height=params.height, width=params.width,
                                     cond=conditioning.prompts.select(conditioning.embed_row)))
     if params.record == "final":
-        recorded, log_probs, steps = result.final_latents[:, None], result.log_probs[:, :0], []
+        first_step = result.first_step_latents if first_step is None else first_step
+        recorded, log_probs, steps = torch.stack([first_step, result.final_latents], dim=1), result.log_probs[:, :0], []
     else:
         recorded, log_probs = result.window_latents, result.log_probs
     return Trajectory(

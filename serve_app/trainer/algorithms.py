@@ -9,8 +9,8 @@ The service is one sampler; the algorithms differ in the settings each rollout r
 - dance_grpo: DanceGRPO (Xue et al. 2025, arXiv 2505.07818): the configured sampling with its SDE step
   (`sampling.sde_type dance`), trained by the same clipped ratio as flow_grpo.
 - diffusion_nft: DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): ODE rollouts (noise 0) recorded as their
-  final latents alone (`sampling.record final`); the trainer trains on their forward process
-  (serve_app.trainer.nft), so no transition or log-prob crosses the wire.
+  final latents and those after the first step (`sampling.record final`); the trainer trains on their forward
+  process and checks its velocity by the first step (serve_app.trainer.nft), so no log-prob crosses the wire.
 
 A rollout's settings follow from its index alone, like its prompts and seed, so a resumed run requests the
 same rollouts the uninterrupted run would have.

@@ -1,10 +1,10 @@
 """DiffusionNFT's pieces beside the loss (serve_app.trainer.loss.nft_loss): the forward-process draws it trains
-on, the conditional velocity it trains, and the trust check that the rollouts' final latents are what the
-trainer's copy of the sampling version would have produced.
+on, the conditional velocity it trains, and the trust check that the trainer's copy of the sampling version has the
+velocity that sampled the rollouts.
 
 DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) trains on the forward process x_t = (1 - t) x0 + t eps of
 each rollout's clean final latents x0, not on the sampler's transitions: the rollouts are ODE samples recorded
-as their final latents alone (`sampling.record final`), so no log-prob crosses the wire.
+as their final latents and those after the first step (`sampling.record final`), so no log-prob crosses the wire.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from serve_app.schemas import Trajectory
 from serve_app.trainer.config import DiffusionNFTSection
 
 
-class FinalLatentMismatchError(RuntimeError):
-    """The trainer's copy of the sampling version does not reproduce the rollouts' final latents."""
+class VelocityMismatchError(RuntimeError):
+    """The trainer's copy of the sampling version does not give the rollouts' first step."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,20 @@ def sampling_decay(section: DiffusionNFTSection, update: int) -> float:
 
 def final_latents(trajectory: Trajectory) -> torch.Tensor:
     """[B, ...] the clean final latents of a `record final` trajectory."""
-    if trajectory.latents.shape[1] != 1 or trajectory.log_probs.shape[1] != 0:
+    _check_recorded_final(trajectory)
+    return trajectory.latents[:, 1]
+
+
+def first_step_latents(trajectory: Trajectory) -> torch.Tensor:
+    """[B, ...] the latents after the first step of a `record final` trajectory (what the trust check recomputes)."""
+    _check_recorded_final(trajectory)
+    return trajectory.latents[:, 0]
+
+
+def _check_recorded_final(trajectory: Trajectory) -> None:
+    if trajectory.latents.shape[1] != 2 or trajectory.log_probs.shape[1] != 0:
         raise ValueError("DiffusionNFT trains on final latents alone: the rollouts must be sampled with "
                          f"sampling.record final (got latents {tuple(trajectory.latents.shape)})")
-    return trajectory.latents[:, 0]
 
 
 def conditional_velocity(policy: DiffusionPolicy, trajectory: Trajectory, x_t: torch.Tensor, t: torch.Tensor,
@@ -90,28 +100,27 @@ def conditional_velocity(policy: DiffusionPolicy, trajectory: Trajectory, x_t: t
 
 
 @torch.no_grad()
-def regenerated_final_latents(policy: DiffusionPolicy, trajectory: Trajectory, rows: torch.Tensor) -> torch.Tensor:
-    """[n, ...] the final latents the policy's current weights give samples `rows` from their seeds, by the sampler's
-    own ODE (the rollouts' settings, CFG included)."""
+def check_velocity(policy: DiffusionPolicy, trajectory: Trajectory, rows: torch.Tensor, *, bound: float) -> float:
+    """The largest |v_trainer - v_sampler| of samples `rows` at their first step: the trainer rebuilds each one's
+    initial noise from its seed and takes the sampler's own first step (its settings, CFG included) with the weights
+    it holds; a difference in the latents after it, divided by the step's |sigma_1 - sigma_0|, is the velocity's.
+    Raises VelocityMismatchError above `bound` (the weights held for the version the rollouts claim are not the ones
+    that sampled them). One model call per row, and no solve that carries float order from step to step."""
     params = trajectory.sampling
     device = policy.device
     conditioning = Conditioning(
         trajectory.prompt_embeds.to(device), trajectory.embed_row[rows].to(device),
         None if trajectory.negative_embeds is None else trajectory.negative_embeds.to(device),
     )
-    generators = sample_generators(trajectory.seeds[rows])
-    latents = initial_latents(policy, params, generators)
-    return denoise(policy, conditioning, latents, trajectory.sigmas.to(device), [], params, generators).final_latents
-
-
-def check_final_latents(policy: DiffusionPolicy, trajectory: Trajectory, rows: torch.Tensor, *, bound: float) -> float:
-    """The largest |regenerated - stored| of the final latents of `rows`; raises FinalLatentMismatchError above
-    `bound` (the weights held for the version the rollouts claim are not the ones that sampled them)."""
-    regenerated = regenerated_final_latents(policy, trajectory, rows).float().cpu()
-    error = float((regenerated - final_latents(trajectory)[rows].float()).abs().max())
+    noise = initial_latents(policy, params, sample_generators(trajectory.seeds[rows]))
+    sigmas = trajectory.sigmas.to(device)
+    first = denoise(policy, conditioning, noise, sigmas, [], params.model_copy(update={"num_steps": 1}), []).final_latents
+    step = abs(float(sigmas[1] - sigmas[0]))
+    error = float((first.float().cpu() - first_step_latents(trajectory)[rows].float()).abs().max()) / step
     if not error <= bound:
-        raise FinalLatentMismatchError(
-            f"regenerating {len(rows)} rollouts of policy version {trajectory.policy_version} with the trainer's copy "
-            f"of its weights lands {error:.3g} from their final latents > trainer.diffusion_nft.max_final_latent_error "
-            f"{bound}; the replicas' weights, sampling settings or precision differ from the trainer's")
+        raise VelocityMismatchError(
+            f"the trainer's copy of policy version {trajectory.policy_version} gives {len(rows)} of its rollouts a "
+            f"first-step velocity {error:.3g} from the one that sampled them > "
+            f"trainer.diffusion_nft.max_velocity_error {bound}; the replicas' weights, sampling settings or precision "
+            "differ from the trainer's")
     return error

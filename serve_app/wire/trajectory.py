@@ -10,6 +10,7 @@ Tensors, B samples in batch order (group g at rows g*G .. g*G+G-1, dropped group
     metrics                                [M] float64, named by the document's metric_names
   with the trajectory (return_trajectory):
     latents                                [B, K+1, ...] the window's latents, in the dtype they were sampled
+                                           (sampling.record final: [B, 2, ...], after the first step and final)
     sigmas [N+1] float32, step_indices [K] int64, embed_row [B] int64 (a sample's prompt_embeds row)
     prompt_embeds.embeds [P, L, D], .mask [P, L] bool, and where the family has them .pooled [P, D'],
     .image_latents [P, T, C], .image_shapes [P, N, 3] int64 (input-image conditioning), .image_embeds [P, L', D'']

@@ -251,7 +251,8 @@ def test_dance_steps_replay_to_ratio_one(conformance_policies, engine_name, chec
 
 @pytest.mark.parametrize(("engine_name", "checkpoint"), PAIRS)
 def test_final_latents_alone_are_the_images_and_depend_on_the_seed_only(conformance_policies, engine_name, checkpoint):
-    # DiffusionNFT's rollouts: the ODE by DPM-Solver++(2M) (5 steps: two of them second order), final latents only.
+    # DiffusionNFT's rollouts: the ODE by DPM-Solver++(2M) (5 steps: two of them second order), the latents after
+    # its first step and the final ones only.
     policy = conformance_policies(checkpoint)
     final = checkpoint_sampling(checkpoint, SAMPLING).model_copy(update={
         "num_steps": 5, "noise_level": 0.0, "ode_solver": "dpm2m", "record": "final", "sde_window_size": None})
@@ -260,11 +261,11 @@ def test_final_latents_alone_are_the_images_and_depend_on_the_seed_only(conforma
     cat, dog = _chunks(planner, ["a cat", "a dog"], seed=5)
     alone = _one(engine, dog)
     fused, _ = engine.generate([cat, dog])
-    assert alone.latents.shape[:2] == (len(dog.seeds), 1) and alone.log_probs.shape == (len(dog.seeds), 0)
+    assert alone.latents.shape[:2] == (len(dog.seeds), 2) and alone.log_probs.shape == (len(dog.seeds), 0)
     assert alone.step_indices.tolist() == []
     torch.testing.assert_close(fused[1].latents, alone.latents, atol=1e-5, rtol=0)
     params = dog.sampling
     conditioning = encode_conditioning(policy, dog.prompts, dog.prompt_slot, dog.negative_prompt, params)
-    decoded = to_uint8(policy.decode(alone.latents[:, 0].to(policy.device), height=params.height, width=params.width,
+    decoded = to_uint8(policy.decode(alone.latents[:, 1].to(policy.device), height=params.height, width=params.width,
                                      cond=conditioning.prompts.select(conditioning.embed_row)))
     assert torch.equal(decoded.cpu(), alone.images)

@@ -5,6 +5,7 @@ import torch
 
 from serve_app.flowgrpo.sampler import (
     Conditioning,
+    conditioned_velocity,
     denoise,
     encode_conditioning,
     initial_latents,
@@ -244,22 +245,31 @@ def test_shared_group_noise_runs_the_same_solver_before_the_window(policy, text)
     torch.testing.assert_close(prefix_shared.latents[:, 0], alone.latents[:, 0], atol=1e-5, rtol=0)
 
 
-def test_record_final_keeps_the_final_latents_alone(policy, text):
+def test_record_final_keeps_the_first_steps_and_the_final_latents_alone(policy, text):
     prompts = text.tokenize(["a cat", "a dog on grass"])
     ode = PARAMS.model_copy(update={"noise_level": 0.0, "ode_solver": "dpm2m"})
     window = sample_group(policy, prompts, 2, ode, policy_version=0)
     final = sample_group(policy, prompts, 2, ode.model_copy(update={"record": "final"}), policy_version=0)
-    assert final.latents.shape == (4, 1, *window.latents.shape[2:])
+    assert final.latents.shape == (4, 2, *window.latents.shape[2:])
     assert final.log_probs.shape == (4, 0) and final.step_indices.tolist() == []
-    decoded = to_uint8(policy.decode(final.latents[:, 0], height=ode.height, width=ode.width))
+    decoded = to_uint8(policy.decode(final.latents[:, 1], height=ode.height, width=ode.width))
     assert torch.equal(decoded, final.images)
-    # Every step is the solver's: the same final latents as a solve of the whole schedule by hand.
+    # Every step is the solver's: the same latents after the first step and at the end as a solve by hand.
     conditioning = encode_conditioning(policy, prompts, final.prompt_index, None, ode)
     sigmas = policy.sigma_schedule(ode.num_steps, ode.height, ode.width)
     latents = initial_latents(policy, ode, sample_generators(final.seeds))
     by_hand = denoise(policy, conditioning, latents, sigmas, [], ode, sample_generators(final.seeds)).final_latents
-    torch.testing.assert_close(final.latents[:, 0], by_hand, atol=1e-6, rtol=0)
-    # With noise, the SDE steps still run, and still nothing but the final latents is kept.
+    torch.testing.assert_close(final.latents[:, 1], by_hand, atol=1e-6, rtol=0)
+    velocity = conditioned_velocity(policy, latents, sigmas[0], conditioning, ode)  # the first step is Euler's
+    torch.testing.assert_close(final.latents[:, 0], latents + (sigmas[1] - sigmas[0]) * velocity, atol=1e-6, rtol=0)
+    # With noise, the SDE steps still run, and still nothing but those two latents is kept.
     noisy = sample_group(policy, prompts, 2, PARAMS.model_copy(update={"record": "final"}), policy_version=0)
     assert noisy.latents.shape == final.latents.shape and noisy.log_probs.shape == (4, 0)
     assert not torch.allclose(noisy.latents, final.latents, atol=1e-3)
+    # Samples that share their group's noise share their first step (it runs once per group, before the window).
+    shared = sample_group(policy, prompts, 2, ode.model_copy(update={"record": "final", "group_noise": "shared"}),
+                          policy_version=0)
+    assert torch.equal(shared.latents[0, 0], shared.latents[1, 0]) and torch.equal(shared.latents[0, 1], shared.latents[1, 1])
+    assert not torch.equal(shared.latents[0, 0], shared.latents[2, 0])
+
+

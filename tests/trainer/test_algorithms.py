@@ -10,8 +10,8 @@ from serve_app.policies import load_policy
 from serve_app.trainer.algorithms import mix_grpo_window_start, rollout_sampling
 from serve_app.trainer.config import load_trainer_config
 from serve_app.trainer.loss import nft_optimality
-from serve_app.trainer.nft import (FinalLatentMismatchError, ForwardDraws, check_final_latents, conditional_velocity,
-                                   final_latents, forward_generators)
+from serve_app.trainer.nft import (ForwardDraws, VelocityMismatchError, check_velocity, conditional_velocity,
+                                   final_latents, first_step_latents, forward_generators)
 from serve_app.trainer.parallel import DataParallel
 from serve_app.trainer.update import PolicyUpdate
 
@@ -177,22 +177,30 @@ def test_diffusion_nft_update_lowers_the_error_of_the_good_samples_and_raises_th
 
     before = errors()
     stats = update.run(trajectory, advantages, check_onpolicy=True, seed=0, step=0)
-    assert len(stats.grad_norms) == 1 and stats.checks["nft_final_latent_error"] < 1e-5
+    assert len(stats.grad_norms) == 1 and stats.checks["nft_velocity_error"] < 1e-4
     change = errors() - before
     weight = 2 * nft_optimality(advantages, 1.0) - 1
     gain = float((weight * change).mean())
     assert gain < -0.5 * float((weight * change).abs().mean()) < 0
 
 
-def test_the_final_latent_check_catches_weights_that_did_not_sample_the_rollouts(tiny_qwen_dir, nft_batch):
-    trajectory, _ = nft_batch
-    policy = load_policy(tiny_qwen_dir, family="qwen_image")
-    rows = torch.tensor([1, 6])
-    assert check_final_latents(policy, trajectory, rows, bound=1e-4) < 1e-5
-    with torch.no_grad():
-        next(policy.transformer.parameters()).add_(1e-2)
-    with pytest.raises(FinalLatentMismatchError, match="policy version 0"):
-        check_final_latents(policy, trajectory, rows, bound=1e-4)
+def test_the_velocity_check_catches_the_weights_of_one_update_later(tiny_qwen_dir, nft_batch):
+    """The check takes the first step of some rows again: with the weights that sampled them it lands within float
+    order of the recorded one; after one DiffusionNFT update at the shapes world's learning rate, far outside the
+    bound."""
+    trajectory, advantages = nft_batch
+    cfg = config("trainer.lr=5e-4", "trainer.inner_epochs=1", "trainer.micro_batch_size=8", *NFT)
+    update = PolicyUpdate(cfg.trainer, load_policy(tiny_qwen_dir, family="qwen_image"), DataParallel())
+    bound = cfg.trainer.diffusion_nft.max_velocity_error
+    same = [check_velocity(update.policy, trajectory, torch.tensor(rows), bound=bound) for rows in ([1, 6], [0, 3, 5])]
+    # Another batch shape than the sampler's: equal to within a few units in the last place of the latents.
+    assert max(same) < bound / 20, same
+    # The recorded first step is the sampler's: the ODE's first step from the sample's own noise.
+    assert not torch.equal(first_step_latents(trajectory), final_latents(trajectory))
+    update.run(trajectory, advantages, check_onpolicy=True, seed=0, step=0)
+    with pytest.raises(VelocityMismatchError, match="policy version 0") as raised:
+        check_velocity(update.policy, trajectory, torch.tensor([1, 6]), bound=bound)
+    print(raised.value)  # -s shows how far one update moves the first step's velocity
 
 
 @pytest.mark.parametrize("side", ["high", "low"])
@@ -218,7 +226,7 @@ def test_diffusion_nft_on_wan22_trains_the_expert_of_each_draws_noise_level(flow
     update = PolicyUpdate(cfg.trainer, policy, DataParallel())
     before = {k: v.clone() for k, v in update.model.publishable_state().items()}
     stats = update.run(trajectory, advantages, check_onpolicy=True, seed=0, step=0)
-    assert stats.checks["nft_final_latent_error"] < 1e-5
+    assert stats.checks["nft_velocity_error"] < 1e-4
     after = update.model.publishable_state()
     moved = {k: float((after[k] - before[k]).abs().max()) for k in before}
     low = [m for k, m in moved.items() if k.startswith("transformer_2.")]

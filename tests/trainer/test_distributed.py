@@ -306,7 +306,7 @@ def test_diffusion_nft_on_two_ranks_gives_the_one_process_update(app_client, tmp
     batch = fixed_batch(app_client, trainer_config(tmp_path, "app", *nft))
     assert batch.trajectory.log_probs.shape[1] == 0  # final latents alone: no transition crossed the wire
     single, base, row = train_in_one_process(trainer_config(tmp_path, "single", *nft), batch, tmp_path / "single" / "out")
-    assert row["nft_final_latent_error"] < 1e-5
+    assert row["nft_velocity_error"] < 1e-4
     torch.save(batch, tmp_path / "batch.pt")
     ddp = trainer_config(tmp_path, "ddp", *nft)
     scenario = {"name": "nft", "overrides": [*SHARED, *TRAINER, *nft, f"replica.weights_dir={tmp_path / 'ddp' / 'weights'}"],
