@@ -57,7 +57,7 @@ def main() -> None:
             trajectory = sample_group(policy, tokens, args.seeds, params, policy_version=0)
         seconds = time.perf_counter() - start
         found = verdicts(trajectory.images, [p for p in prompts for _ in range(args.seeds)])
-        return {"latents": trajectory.latents[:, 0].float(), "seconds": seconds,
+        return {"latents": trajectory.latents[:, -1].float(), "seconds": seconds,  # record final: the last is x0
                 "strict": per_image(found)["strict_accuracy"], "model_calls": num_steps}
 
     reference = run(args.reference_steps, "euler")
