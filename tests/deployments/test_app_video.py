@@ -1,6 +1,6 @@
 """Videos through the whole graph (Serve's local testing mode, model=tiny_wan): uint8 [B, F, 3, H, W]
 trajectories in whole groups, video rewards (one on a reward deployment), the version stamp, chunks and the work budget counted in
-latent frames (422 / 413 naming the field), and the HTTP answer's MP4s."""
+latent frames (422 / 413 naming the field), and the HTTP answer's MP4s (over a live socket too)."""
 
 import base64
 import json
@@ -99,6 +99,31 @@ def test_the_http_answer_carries_one_mp4_per_sample(batch):
         assert float((decoded.float() - video.float()).abs().mean()) < 20
     plain = json.loads(to_response(batch, images=None).model_dump_json(exclude_none=True))
     assert "video_mp4_base64" not in plain["samples"][0]
+
+
+def test_over_a_live_socket_each_samples_mp4_decodes_to_its_video(handle):
+    """The HTTP API on loopback over this module's app: the JSON answer's MP4s are the videos a handle caller gets
+    for the same seeds, and a frame count the family cannot take is a 422 naming the field."""
+    import httpx
+
+    from serve_app.media import decode_mp4
+    from tests.http_server import serve_http
+
+    request = {"prompts": ["a red circle"], "group_size": 2, "seed": 3, "sampling": VIDEO}
+    by_handle = handle.rollout.remote(RolloutRequest(**request)).result().trajectory
+    with serve_http(handle) as url:
+        response = httpx.post(f"{url}/v1/rollouts", json={**request, "return_images": True}, timeout=120)
+        refused = httpx.post(f"{url}/v1/rollouts", json={**request, "sampling": {"num_frames": 4}}, timeout=30)
+    assert response.status_code == 200, response.text
+    samples = response.json()["samples"]
+    assert [s["seed"] for s in samples] == by_handle.seeds.tolist()
+    for sample, frames in zip(samples, by_handle.images):
+        assert "image_png_base64" not in sample
+        decoded = decode_mp4(base64.b64decode(sample["video_mp4_base64"]))
+        assert decoded.shape == (5, 3, 32, 32)
+        # H.264 is lossy: each frame's mean level survives, not each pixel.
+        torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), frames.float().mean(dim=(1, 2, 3)), atol=3, rtol=0)
+    assert refused.status_code == 422 and refused.json()["field"] == "sampling.num_frames"
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,6 @@ OVERRIDES = [
 ]
 
 
-# A Wan app on its own route.
-VIDEO = [o for o in OVERRIDES if not o.startswith("ingress.")] + [
-    "app_name=flowgrpo-video", "model=tiny_wan", "reward=video_brightness", "sampling.num_steps=3",
-    "sampling.sde_window_range=[0,1]", "ingress.chunk_size=4", "replica.autoscaling.max_replicas=1",
-]
 # A single replica that queues at most one chunk.
 TIGHT = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.autoscaling.m"))] + [
     "app_name=flowgrpo-tight",
@@ -53,7 +48,7 @@ TIGHT = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.auto
     "replica.autoscaling.min_replicas=1",
     "replica.autoscaling.max_replicas=1",
 ]
-APPS = {"flowgrpo": ("/", OVERRIDES), "flowgrpo-video": ("/video", VIDEO), "flowgrpo-tight": ("/tight", TIGHT)}
+APPS = {"flowgrpo": ("/", OVERRIDES), "flowgrpo-tight": ("/tight", TIGHT)}
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +60,10 @@ def weights(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, weights):
-    """The module's three apps on the session's shared cluster (tests/conftest.py, autoscaling metrics
+    """The module's two apps on the session's shared cluster (tests/conftest.py, autoscaling metrics
     pushed every 0.5 s), deployed together (their replicas start side by side, where one deploy after
-    another cost each its own wait) and deleted when this module ends (the tests that use the video and
-    tight apps delete them sooner); returns the base URL."""
+    another cost each its own wait) and deleted when this module ends (the test that uses the tight app
+    deletes it sooner); returns the base URL. Videos over HTTP: tests/deployments/test_app_video.py."""
     from ray import serve
 
     from serve_app.app import AppArgs, build_app
@@ -113,35 +108,6 @@ def test_http_matches_handle_seeds(cluster):
     image = Image.open(io.BytesIO(base64.b64decode(samples[0]["image_png_base64"])))
     assert image.size == (32, 32)
     assert "reward_mean" in answer["metrics"]
-
-
-def test_http_video_rollout_carries_one_mp4_per_sample(cluster):
-    """A Wan app on its own route: over a live socket, each sample's MP4 decodes to its video."""
-    from ray import serve
-
-    from serve_app.client import RolloutClient
-    from serve_app.media import decode_mp4
-
-    try:
-        by_handle = RolloutClient("flowgrpo-video").rollout(["a red circle"], group_size=2, seed=3,
-                                                             sampling={"num_frames": 5}).trajectory
-        body = {"prompts": ["a red circle"], "group_size": 2, "seed": 3, "sampling": {"num_frames": 5},
-                "return_images": True}
-        response = httpx.post(f"{cluster}/video/v1/rollouts", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        samples = response.json()["samples"]
-        assert [s["seed"] for s in samples] == by_handle.seeds.tolist()
-        for sample, frames in zip(samples, by_handle.images):
-            assert "image_png_base64" not in sample
-            decoded = decode_mp4(base64.b64decode(sample["video_mp4_base64"]))
-            assert decoded.shape == (5, 3, 32, 32)
-            # H.264 is lossy: each frame's mean level survives, not each pixel.
-            torch.testing.assert_close(decoded.float().mean(dim=(1, 2, 3)), frames.float().mean(dim=(1, 2, 3)),
-                                       atol=3, rtol=0)
-        refused = httpx.post(f"{cluster}/video/v1/rollouts", json={**body, "sampling": {"num_frames": 4}}, timeout=30)
-        assert refused.status_code == 422 and refused.json()["field"] == "sampling.num_frames"
-    finally:
-        serve.delete("flowgrpo-video")
 
 
 def test_health_and_openapi(cluster):
