@@ -9,11 +9,13 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from serve_app.serving.engine_contract import REPLAY_TOLERANCE
+from tests.forked import run_forked
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,15 +31,22 @@ WITHOUT_MODULES = (
 
 
 def run_script(name: str, *args: str, timeout: float = 600, without: tuple[str, ...] = ()) -> dict:
+    """The script's JSON document. It runs in a process of its own, forked from the server that imported torch,
+    diffusers and the trainer once (tests/forked.py), or, `without` some modules, a fresh interpreter."""
     # As RESULTS.md gives the commands: no RAY_* variable exported by hand (the tests' own are dropped).
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "PYTHONPATH": str(REPO)}
     command = [str(REPO / "benchmarks" / name), *args]
     if without:
         command = ["-c", WITHOUT_MODULES, ",".join(without), *command]
-    done = subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)  # stdout is the JSON document and nothing else
+        done = subprocess.run([sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)  # stdout is the JSON document and nothing else
+    with tempfile.TemporaryDirectory(prefix="bench-smoke-") as scratch:
+        stdout, log = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        done = run_forked("tests.forked:script_main", command, env=env, log=log, stdout=stdout, timeout_s=timeout)
+        assert done.returncode == 0, done.output[-3000:]
+        return json.loads(stdout.read_text())  # stdout is the JSON document and nothing else
 
 
 def numbers(value) -> list[float]:
