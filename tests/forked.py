@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class Finished:
     returncode: int  # -N when signal N ended it, as subprocess reports it
-    output: str  # stdout and stderr together
+    output: str  # stderr, and stdout unless the run gave it a file of its own
 
 
 def _main_in_child(target: str, argv: list[str], env: dict[str, str], log: str, stdout: str | None) -> None:

@@ -126,12 +126,14 @@ class DiffusionNFTSection(Section):
     adaptive_weighting: bool = Field(True, description="Weight each draw's error by its x0-space magnitude "
                                      "(the paper's adaptive weighting); false: the plain velocity error.")
     check_rows: int = Field(2, ge=0, description="Rollouts per batch whose first step the trainer takes again with "
-                            "the weights of the version they claim; its velocity must match the sampler's (0: no check).")
+                            "the weights of the version they claim; its velocity must match the sampler's "
+                            "(0: no check).")
     max_velocity_error: float = Field(1e-3, gt=0.0, description="The largest |v_trainer - v_sampler| of that first "
                                       "step the check accepts.")
     # The sampling policy (v_old) as a soft-updated average: after update i it becomes d_i old + (1 - d_i) theta,
     # with d_i = 0 for i < sampling_decay_delay, then min((i - delay) x rate, max). Rollouts sample it, the loss
-    # contrasts against it, the trust check regenerates with it. All 0: the trained weights after every update.
+    # contrasts against it, the velocity check takes the first step with it. All 0: the trained weights after every
+    # update.
     sampling_decay_delay: int = Field(0, ge=0, description="Updates after which the sampling policy's decay "
                                       "starts to rise (before: it is the trained weights).")
     sampling_decay_rate: float = Field(0.0, ge=0.0, description="How much the sampling policy's decay rises per "
