@@ -337,6 +337,15 @@ def encode_conditioning(
     )
 
 
+def trajectory_conditioning(trajectory: Trajectory, rows: torch.Tensor, device: torch.device) -> Conditioning:
+    """The conditioning the sampler gave samples `rows` of a stored trajectory, on `device`."""
+    return Conditioning(
+        _to_device(trajectory.prompt_embeds, device),
+        trajectory.embed_row[rows].to(device),
+        None if trajectory.negative_embeds is None else _to_device(trajectory.negative_embeds, device),
+    )
+
+
 def replay_step(
     policy: SamplingPolicy,
     trajectory: Trajectory,
@@ -351,11 +360,7 @@ def replay_step(
     index = torch.arange(len(trajectory)) if rows is None else rows
     step = int(trajectory.step_indices[k])
     device = policy.device
-    conditioning = Conditioning(
-        _to_device(trajectory.prompt_embeds, device),
-        trajectory.embed_row[index].to(device),
-        None if trajectory.negative_embeds is None else _to_device(trajectory.negative_embeds, device),
-    )
+    conditioning = trajectory_conditioning(trajectory, index, device)
     return transition(
         policy,
         trajectory.latents[index, k].to(device),

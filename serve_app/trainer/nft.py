@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.flowgrpo.sampler import Conditioning, denoise, initial_latents
+from serve_app.flowgrpo.sampler import deterministic_transition, initial_latents, trajectory_conditioning
+from serve_app.flowgrpo.sde import SolverHistory
 from serve_app.flowgrpo.seeding import sample_generators
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import Trajectory
@@ -107,14 +108,10 @@ def check_velocity(policy: DiffusionPolicy, trajectory: Trajectory, rows: torch.
     Raises VelocityMismatchError above `bound` (the weights held for the version the rollouts claim are not the ones
     that sampled them). One model call per row, and no solve that carries float order from step to step."""
     params = trajectory.sampling
-    device = policy.device
-    conditioning = Conditioning(
-        trajectory.prompt_embeds.to(device), trajectory.embed_row[rows].to(device),
-        None if trajectory.negative_embeds is None else trajectory.negative_embeds.to(device),
-    )
+    conditioning = trajectory_conditioning(trajectory, rows, policy.device)
     noise = initial_latents(policy, params, sample_generators(trajectory.seeds[rows]))
-    sigmas = trajectory.sigmas.to(device)
-    first = denoise(policy, conditioning, noise, sigmas, [], params.model_copy(update={"num_steps": 1}), []).final_latents
+    sigmas = trajectory.sigmas.to(policy.device)
+    first, _ = deterministic_transition(policy, noise, sigmas[0], sigmas[1], conditioning, params, SolverHistory())
     step = abs(float(sigmas[1] - sigmas[0]))
     error = float((first.float().cpu() - first_step_latents(trajectory)[rows].float()).abs().max()) / step
     if not error <= bound:
