@@ -20,7 +20,7 @@ from serve_app.flowgrpo.sde import kl_between_means
 from serve_app.policies.base import DiffusionPolicy
 from serve_app.schemas import Trajectory
 from serve_app.trainer.config import TrainerSection
-from serve_app.trainer.ema import EMAModel
+from serve_app.trainer.ema import new_ema
 from serve_app.trainer.faults import crash_point
 from serve_app.trainer.lora import TrainableTransformer
 from serve_app.trainer.loss import (clipped_ratio_loss, clipped_surrogate, grpo_guard_step_weight, loss_stats,
@@ -118,7 +118,7 @@ class PolicyUpdate:
         self.mismatch = MismatchMonitor(**cfg.mismatch.model_dump())  # rollout-vs-replay, every step
         self._behaviour_means: list[torch.Tensor] | None = None  # GRPO-Guard: set by run()
         # The EMA of the trained tensors, evaluated in place of the raw weights (trainer.ema_decay); rank 0 only.
-        self.ema = (EMAModel(self.model.parameters(), decay=cfg.ema_decay)
+        self.ema = (new_ema(self.model.parameters(), cfg.ema_decay)
                     if cfg.ema_decay and parallel.is_leader else None)
 
     def sampled_with(self, trajectory: Trajectory, *, current: bool) -> contextlib.AbstractContextManager[None]:

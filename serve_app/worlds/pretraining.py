@@ -30,7 +30,7 @@ from serve_app.config import Section
 from serve_app.config.loader import config_to_yaml
 from serve_app.models.pixel_vae import save_pixel_space_pipeline
 from serve_app.schemas import PromptEmbeds, PromptTokens
-from serve_app.trainer.ema import EMAModel, averaged_weights
+from serve_app.trainer.ema import averaged_weights, new_ema
 
 __all__ = ["EvalSettings", "FlowPretrainSettings", "evaluate_splits", "ode_sample_batch", "ode_samples", "pretrain_flow_model", "pretrain_main",
            "pretrain_world", "rectified_flow_loss", "save_checkpoint"]
@@ -104,7 +104,7 @@ def pretrain_flow_model(
     for module in trained:
         module.train()
     params = [p for m in trained for p in m.parameters()]
-    ema = EMAModel(params, decay=config.ema_decay) if config.ema_decay > 0 else None
+    ema = new_ema(params, config.ema_decay) if config.ema_decay > 0 else None
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
     negative = policy.text_processor().tokenize([config.negative_prompt])[0]
