@@ -33,8 +33,10 @@ WITHOUT_MODULES = (
 def run_script(name: str, *args: str, timeout: float = 600, without: tuple[str, ...] = ()) -> dict:
     """The script's JSON document. It runs in a process of its own, forked from the server that imported torch,
     diffusers and the trainer once (tests/forked.py), or, `without` some modules, a fresh interpreter."""
-    # As RESULTS.md gives the commands: no RAY_* variable exported by hand (the tests' own are dropped).
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "PYTHONPATH": str(REPO)}
+    # As RESULTS.md gives the commands: no RAY_* variable exported by hand (the tests' own are dropped), but for
+    # the Serve controller's loop interval, which only saves CPU (tests/conftest.py).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"},
+           "PYTHONPATH": str(REPO)}
     command = [str(REPO / "benchmarks" / name), *args]
     if without:
         command = ["-c", WITHOUT_MODULES, ",".join(without), *command]

@@ -4,7 +4,7 @@ One fixed rollout (the tiny model in Serve's local testing mode) is trained on o
 once by 2 plain gloo processes (fsdp, ddp for DiffusionNFT, and a rank whose weights differ). Rank 0
 publishes version 1 to its own weight store; the stores' tensors must agree within 1e-5, and every rank's
 first replay must give ratio 1. Ray Train's TorchTrainer (ddp, the `--workers` path) trains against an app
-deployed on a local cluster: 2 steps give one process's weights within 1e-5, and a run with a rank killed
+deployed on the session's shared cluster: 2 steps give one process's weights within 1e-5, and a run with a rank killed
 mid-update gives the uninterrupted run's, bitwise.
 
 The plain gloo runs' ranks are processes forked from a server that imported the trainer once (rank_process,
@@ -138,27 +138,9 @@ def test_workers_must_divide_the_prompts_of_a_step(tmp_path, capsys):
     assert "must be a multiple of trainer.distributed.workers (3)" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def train_cluster(flowgrpo_home):
-    """One local cluster, Serve on loopback, shared by this module's two Ray Train tests."""
-    import ray
-    from ray import serve
-
-    # Gloo's pairs on loopback too (by default it binds the address the host name resolves to).
-    env = {"FLOWGRPO_HOME": flowgrpo_home, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    assert not ray.is_initialized(), "an earlier test left Ray initialized in this process"
-    # address="local": a cluster of its own, even when another one was `ray start`ed on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_loopback_port()})
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-# The app on the test's cluster: one replica, one torch thread, chunks never fused, so each rollout is the same
-# computation in every run; the trainer at staleness 1 with a checkpoint every step.
+# The app on the session's shared cluster (tests/conftest.py: ray_cluster, gloo on loopback): one replica, one
+# torch thread, chunks never fused, so each rollout is the same computation in every run; the trainer at
+# staleness 1 with a checkpoint every step.
 RESTART_APP_NAME = "flowgrpo-dp-restart"
 RESTART_APP = [*SHARED, f"app_name={RESTART_APP_NAME}", "replica.num_cpus=0.1", "replica.torch_threads=1",
                "replica.max_batch_size=1", "replica.autoscaling.min_replicas=1", "replica.autoscaling.max_replicas=1",
@@ -173,7 +155,7 @@ WORKERS = ["trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(train_cluster, tmp_path, monkeypatch):
+def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(ray_cluster, tmp_path, monkeypatch):
     """The `--workers 2` path (TorchTrainer, 2 gloo workers, DDP) against a deployed app: 2 steps straight, then 2
     steps with rank 1 SIGKILLed inside step 1's update. Ray Train restarts both workers
     (trainer.distributed.max_failures) from the checkpoint rank 0 reported after step 0, and the run ends with the
