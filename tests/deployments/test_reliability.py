@@ -60,22 +60,26 @@ def _post(url: str, body: dict, timeout: float = 300) -> httpx.Response:
     return httpx.post(f"{url}/v1/rollouts", json=body, timeout=timeout)
 
 
-@pytest.mark.parametrize(
-    ("bad", "status", "field"),
-    [
-        ({"policy_version": 999999}, 409, ""),
-        ({"sampling": {"height": 33}}, 422, "sampling.height"),
-        ({"sampling": {"height": 2**63}}, 422, "sampling.height"),
-    ],
-)
-def test_a_bad_request_beside_good_ones_fails_alone(cluster, bad, status, field):
+# Bad requests of three kinds, each with the status and field its answer must carry.
+BAD = [({"policy_version": 999999}, 409, ""),
+       ({"sampling": {"height": 33}}, 422, "sampling.height"),
+       ({"sampling": {"height": 2**63}}, 422, "sampling.height")]
+
+
+def test_bad_requests_beside_good_ones_fail_alone(cluster):
+    """Three bad requests among eight good ones, all sent at once: each bad one gets its own answer, every
+    good one a 200."""
     bodies = [_body(i) for i in range(8)]
-    bodies.insert(4, _body(100, **bad))
-    with ThreadPoolExecutor(9) as pool:
+    at = (1, 4, 7)  # where the bad ones go: among the good ones, not after them
+    for position, (bad, _, _) in zip(at, BAD):
+        bodies.insert(position, _body(100 + position, **bad))
+    with ThreadPoolExecutor(len(bodies)) as pool:
         responses = list(pool.map(lambda b: _post(cluster, b), bodies))
-    failed = responses.pop(4)
-    assert [r.status_code for r in responses] == [200] * 8, [r.text[:200] for r in responses]
-    assert failed.status_code == status and failed.json()["field"] == field, failed.text
+    failed = [responses[position] for position in at]
+    good = [r for i, r in enumerate(responses) if i not in at]
+    assert [r.status_code for r in good] == [200] * 8, [r.text[:200] for r in good]
+    for answer, (_, status, field) in zip(failed, BAD):
+        assert answer.status_code == status and answer.json()["field"] == field, answer.text
 
 
 def _replica_pids(app: str) -> list[int]:
