@@ -1,4 +1,4 @@
-"""What only a real Ray cluster shows: actors, HTTP, @serve.batch, autoscaling, back-pressure, and the HTTP API
+"""What only a real Ray cluster shows: actors, HTTP, @serve.batch, autoscaling, and the HTTP API
 through Serve's proxy (the binary answer bitwise what a handle caller gets, clients that disconnect leaving no
 objects).
 
@@ -39,18 +39,6 @@ OVERRIDES = [
 ]
 
 
-# A single replica that queues at most one chunk.
-TIGHT = [o for o in OVERRIDES if not o.startswith(("replica.max_", "replica.autoscaling.m"))] + [
-    "app_name=flowgrpo-tight",
-    "replica.max_ongoing_requests=1",
-    "replica.max_batch_size=1",
-    "replica.max_queued_requests=1",
-    "replica.autoscaling.min_replicas=1",
-    "replica.autoscaling.max_replicas=1",
-]
-APPS = {"flowgrpo": ("/", OVERRIDES), "flowgrpo-tight": ("/tight", TIGHT)}
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> list[str]:
     """The main app's weight folder, this module's own (a FLOWGRPO_TEST_HOME kept between runs already
@@ -60,21 +48,16 @@ def weights(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, weights):
-    """The module's two apps on the session's shared cluster (tests/conftest.py, autoscaling metrics
-    pushed every 0.5 s), deployed together (their replicas start side by side, where one deploy after
-    another cost each its own wait) and deleted when this module ends (the test that uses the tight app
-    deletes it sooner); returns the base URL. Videos over HTTP: tests/deployments/test_app_video.py."""
+    """The module's app on the session's shared cluster (tests/conftest.py, autoscaling metrics pushed every
+    0.5 s), deleted when this module ends; returns the base URL. Videos over HTTP:
+    tests/deployments/test_app_video.py; back-pressure: tests/deployments/test_reliability.py."""
     from ray import serve
 
     from serve_app.app import AppArgs, build_app
 
-    apps = {**APPS, "flowgrpo": ("/", OVERRIDES + weights)}
-    serve.run_many([serve.RunTarget(build_app(AppArgs(overrides=overrides)), name=name, route_prefix=prefix)
-                    for name, (prefix, overrides) in apps.items()])
+    serve.run(build_app(AppArgs(overrides=OVERRIDES + weights)), name="flowgrpo", route_prefix="/")
     yield ray_cluster.url
-    for name in APPS:
-        if name in serve.status().applications:
-            serve.delete(name)
+    serve.delete("flowgrpo")
 
 
 def test_whole_graph_by_handle(cluster):
@@ -242,25 +225,6 @@ def _wait_for_replicas(count: int, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _running_replicas() != count:
         time.sleep(1.0)
-
-
-def test_backpressure_gives_503_with_a_message(cluster):
-    """A second app whose single replica queues at most one chunk: a burst gets 503s, the rest succeed."""
-    from ray import serve
-
-    try:
-        def call(i: int) -> httpx.Response:
-            body = {"prompts": [f"burst {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 8, "sde_window_range": [0, 5]}}
-            return httpx.post(f"{cluster}/tight/v1/rollouts", json=body, timeout=300)
-
-        with ThreadPoolExecutor(12) as pool:
-            responses = list(pool.map(call, range(12)))
-        codes = [r.status_code for r in responses]
-        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 1, codes
-        rejected = next(r for r in responses if r.status_code == 503).json()
-        assert rejected["error"] == "overloaded" and "retry" in rejected["message"]
-    finally:
-        serve.delete("flowgrpo-tight")
 
 
 # --- the HTTP API through Serve's proxy --------------------------------------------------------

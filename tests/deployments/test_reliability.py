@@ -1,9 +1,10 @@
 """On a real cluster: one client's bad request never fails another's, a killed replica loses no request,
-and every error answer is a clean JSON body.
+and every error answer, back-pressure's included, is a clean JSON body.
 
 On the session's single-node cluster on 127.0.0.1 (tests/conftest.py), an app of exactly two replicas
 that never fuse chunks (max_batch_size 1) and use one torch thread each, so a chunk re-run on the other
-replica gives bit-for-bit the trajectory of the undisturbed run.
+replica gives bit-for-bit the trajectory of the undisturbed run; beside it, an app of one replica with a
+short queue and no chunk re-runs.
 """
 
 import json
@@ -33,23 +34,28 @@ OVERRIDES = [
 ]
 
 
-def _deploy(name: str, overrides: list[str]) -> None:
-    from ray import serve
-
-    from serve_app.app import AppArgs, build_app
-
-    serve.run(build_app(AppArgs(overrides=overrides)), name=name, route_prefix=f"/{name}")
+# One replica that takes two chunks at once, queues one more and re-runs none: back-pressure and a lost chunk.
+SINGLE_APP = f"{APP}-single"
+SINGLE = [o.replace(APP, SINGLE_APP) for o in OVERRIDES if not o.startswith("replica.autoscaling.m")] + [
+    "replica.max_queued_requests=1", "ingress.chunk_retry.attempts=1",
+    "replica.autoscaling.min_replicas=1", "replica.autoscaling.max_replicas=1"]
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    """The app on the session's shared cluster (tests/conftest.py), deleted when this module ends;
-    returns the app's base URL."""
+    """The module's two apps on the session's shared cluster (tests/conftest.py), deployed together (their
+    replicas start side by side) and deleted when this module ends; returns the main app's base URL (the
+    single-replica app's is beside it, SINGLE_APP in place of APP)."""
     from ray import serve
 
-    _deploy(APP, OVERRIDES)
+    from serve_app.app import AppArgs, build_app
+
+    serve.run_many([serve.RunTarget(build_app(AppArgs(overrides=overrides)), name=name, route_prefix=f"/{name}")
+                    for name, overrides in ((APP, OVERRIDES), (SINGLE_APP, SINGLE))])
     yield f"{ray_cluster.url}/{APP}"
-    serve.delete(APP)
+    for name in (APP, SINGLE_APP):
+        if name in serve.status().applications:
+            serve.delete(name)
 
 
 def _body(seed: int, **extra) -> dict:
@@ -169,21 +175,32 @@ def _cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
+def test_backpressure_gives_503_with_a_message(cluster):
+    """The single-replica app: a burst of 12 one-chunk requests gets 503s (the replica holds two chunks and
+    its queue one more), the rest succeed."""
+    def call(i: int) -> httpx.Response:
+        body = {"prompts": [f"burst {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 8, "sde_window_range": [0, 5]}}
+        return _post(cluster.replace(APP, SINGLE_APP), body)
+
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(call, range(12)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 1, codes
+    rejected = next(r for r in responses if r.status_code == 503).json()
+    assert rejected["error"] == "overloaded" and "retry" in rejected["message"]
+
+
 def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
-    """An app of one replica and no chunk retries: the requests whose chunks that replica holds when it
-    is killed get a JSON 503 naming the cause, none a 500. Each request is one chunk (group_size =
+    """The single-replica app, whose chunks are not re-run: the requests whose chunks that replica holds when
+    it is killed get a JSON 503 naming the cause, none a 500. Each request is one chunk (group_size =
     ingress.chunk_size) and there are as many as the replica takes at once (max_ongoing_requests 2), so
     every chunk is on the replica when it dies; the kill waits until the replica's CPU time shows it
     computing one. The app is deleted without waiting for Serve to restart the replica."""
     from ray import serve
 
-    app = f"{APP}-noretry"
-    overrides = [o.replace(APP, app) for o in OVERRIDES if not o.startswith("replica.autoscaling.m")] + [
-        "ingress.chunk_retry.attempts=1", "replica.autoscaling.min_replicas=1", "replica.autoscaling.max_replicas=1"]
-    _deploy(app, overrides)
-    url = cluster.replace(APP, app)
+    url = cluster.replace(APP, SINGLE_APP)
     try:
-        (pid,) = _replica_pids(app)
+        (pid,) = _replica_pids(SINGLE_APP)
         # 80 steps: a chunk computes for several times the CPU time the threshold below waits for, which an
         # idle replica takes far longer to spend than a request takes to reach it.
         bodies = [{"prompts": [f"a lost cat {i}"], "group_size": 4, "seed": i, "sampling": {"num_steps": 80}}
@@ -205,7 +222,7 @@ def test_without_retries_a_lost_chunk_is_a_json_503(cluster):
                 body = response.json()
                 assert body["error"] == "ReplicaUnavailableError" and "retry" in body["message"], body
     finally:
-        serve.delete(app)
+        serve.delete(SINGLE_APP)
 
 
 def test_error_bodies_carry_the_typed_cause_without_internals(cluster):
