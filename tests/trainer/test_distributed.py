@@ -153,6 +153,9 @@ RESTART_TRAINER = ["trainer.prompts_per_step=2", "trainer.group_size=4", "traine
 WORKERS = ["trainer.distributed.workers=2", "trainer.distributed.cpus_per_worker=0.5"]
 
 
+# Three training runs and a group restart: about 155 s alone on 2 cores, 230-310 s beside the other xdist worker
+# in `make test`, which the suite-wide 300 s bound (pyproject.toml) does not leave room for.
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_a_rank_killed_mid_update_restarts_the_group_into_the_run_it_would_have_been(ray_cluster, tmp_path, monkeypatch):
