@@ -18,6 +18,7 @@ import torch
 from serve_app.http_client import HttpRolloutClient
 from tests.http_server import assert_same_batch
 from tests.object_store import back_to, objects
+from tests.replicas import running_replicas, wait_for_running_replicas
 
 pytestmark = pytest.mark.cluster
 
@@ -131,13 +132,6 @@ def test_64_concurrent_http_requests_with_mixed_prompt_lengths(cluster):
     assert codes == [200] * 64
 
 
-def _running_replicas() -> int:
-    from ray import serve
-
-    status = serve.status().applications["flowgrpo"].deployments["DiffusionReplica"]
-    return status.replica_states.get("RUNNING", 0)
-
-
 def test_app_not_deployed_says_how_to_deploy(cluster):
     from serve_app.client import RolloutClient
     from serve_app.errors import AppNotDeployedError
@@ -152,7 +146,7 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
     from serve_app.weights import LoraSpec, open_weight_store
 
     client = RolloutClient("flowgrpo")
-    _wait_for_replicas(1, timeout_s=90)  # earlier tests' load may have scaled it up
+    wait_for_running_replicas("flowgrpo", 1, timeout_s=90)  # earlier tests' load may have scaled it up
     # Push version 1 while only one replica runs: the one autoscaling adds must fetch it itself.
     store = open_weight_store(load_config("diffusion_rollout", OVERRIDES + weights))
     g = torch.Generator().manual_seed(0)
@@ -181,7 +175,7 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
                     in_flight[pool.submit(request, sent)] = sent
                     sent += 1
             if peak < 2:  # serve.status() costs the driver a third of a second of CPU: asked until the peak is seen
-                peak = max(peak, _running_replicas())
+                peak = max(peak, running_replicas("flowgrpo"))
     assert peak == 2 and pinned
     # Keep asking after the scale-up, so requests reach the new replica too; these batches' tensors stay
     # where the replicas made them (fetch=False) until after the scale-down.
@@ -197,8 +191,7 @@ def test_autoscaling_up_under_load_and_back_down_and_new_replicas_serve_the_push
     for t in pinned:
         assert t.policy_version == 1
         torch.testing.assert_close(t.latents, reference.latents, atol=1e-5, rtol=0)
-    _wait_for_replicas(1, timeout_s=90)
-    assert _running_replicas() == 1
+    assert wait_for_running_replicas("flowgrpo", 1, timeout_s=90) == 1
     # The tensors a replica made outlive it: the ingress that asked for them owns them, not the replica.
     deadline = time.monotonic() + 60
     while len(_live_replica_ids()) > 1 and time.monotonic() < deadline:  # the stopping one shuts down
@@ -219,12 +212,6 @@ def _live_replica_ids() -> set[str]:
     prefix = "SERVE_REPLICA::flowgrpo#DiffusionReplica#"
     return {e["name"][len(prefix):] for e in ray.util.list_named_actors(all_namespaces=True)
             if e["name"].startswith(prefix)}
-
-
-def _wait_for_replicas(count: int, *, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _running_replicas() != count:
-        time.sleep(1.0)
 
 
 # --- the HTTP API through Serve's proxy --------------------------------------------------------

@@ -31,6 +31,7 @@ from serve_app.config import ConfigError, load_config
 from serve_app.retry import RetryPolicy
 from serve_app.serving.options import OptionConflictError, check_running_options, deployment_options
 from serve_app.local_ray import free_loopback_port
+from tests.replicas import wait_for_running_replicas
 
 APP = "flowgrpo-multinode"
 SLOT = "rollout_slot"
@@ -187,19 +188,6 @@ def _wait_for_replicas_on(node_ids: set[str], timeout_s: float = 90) -> dict[str
             replicas = {}
         assert time.monotonic() < deadline, f"replicas on {replicas} after {timeout_s} s, expected on {node_ids}"
         time.sleep(0.5)
-
-
-def _wait_for_running_replicas(count: int, timeout_s: float = 180) -> None:
-    """Until Serve counts `count` DiffusionReplicas RUNNING: started and initialized (their policy loaded)."""
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = serve.status().applications[APP].deployments["DiffusionReplica"].replica_states.get("RUNNING", 0)
-        if running == count:
-            return
-        assert time.monotonic() < deadline, f"{running} replicas RUNNING after {timeout_s} s, expected {count}"
-        time.sleep(1.0)
 
 
 def _trainer(tmp_path, client):
@@ -400,7 +388,7 @@ def test_a_node_lost_mid_run_costs_one_identical_retry_and_no_wrong_version(mult
     # The restarted replica serves pinned versions on the spare node (once Serve routes to it). Its actor is up
     # (above) before it has loaded its policy: on a loaded machine that takes longer than the routing loop below
     # allows, so first wait for Serve to count it RUNNING.
-    _wait_for_running_replicas(2)
+    assert wait_for_running_replicas(APP, 2, timeout_s=180) == 2, "the restarted replica did not finish loading"
     port, deadline = multinode.metrics_ports[spare.node_id], time.monotonic() + 60
     while lost.policy_version not in _scrape(port, "flowgrpo_replica_policy_version"):
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text

@@ -18,6 +18,8 @@ import httpx
 import pytest
 import torch
 
+from tests.replicas import running_replicas
+
 pytestmark = pytest.mark.cluster
 
 APP = "flowgrpo-reliability"
@@ -116,17 +118,9 @@ def _trajectory(response: httpx.Response) -> torch.Tensor:
     return torch.tensor([s["log_probs"] for s in response.json()["samples"]])
 
 
-def _running_replicas(app: str) -> int:
-    """What Serve's router sees: a started process may still be initializing and takes no request yet."""
-    from ray import serve
-
-    states = serve.status().applications[app].deployments["DiffusionReplica"].replica_states
-    return sum(count for state, count in states.items() if state == "RUNNING")
-
-
 def _wait_for_two_replicas(app: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(_replica_pids(app)) != 2 or _running_replicas(app) != 2:
+    while len(_replica_pids(app)) != 2 or running_replicas(app) != 2:
         assert time.monotonic() < deadline, "Serve did not restart the killed replica"
         time.sleep(1)
 
