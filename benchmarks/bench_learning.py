@@ -58,6 +58,10 @@ VARIANTS: dict[str, list[str]] = {
     # DiffusionNFT sampling a soft-updated average of the trained weights (the paper's first schedule).
     "diffusion_nft_soft": ["algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_rate=0.001",
                            "trainer.diffusion_nft.sampling_decay_max=0.5"],
+    # The paper's second schedule: the trained weights for 75 updates, then an average that slows to 0.999 by update 208.
+    "diffusion_nft_soft_late": ["algorithm=diffusion_nft", "trainer.diffusion_nft.sampling_decay_delay=75",
+                                "trainer.diffusion_nft.sampling_decay_rate=0.0075",
+                                "trainer.diffusion_nft.sampling_decay_max=0.999"],
     "grpo_guard": ["algorithm=grpo_guard"],
 }
 NEVER = 10**9  # trainer.eval_every: the benchmark evaluates on its own clock, not every N steps

@@ -200,16 +200,31 @@ def test_bench_learning(flowgrpo_home, tmp_path):
             assert lo <= value <= hi
 
 
-def test_bench_learning_pairs_a_variant_with_the_baseline_of_its_repeat_on_the_same_images():
-    """The paired difference against the demo: per repeat, the mean over images of (variant - baseline) on each
-    (prompt, seed), whatever order the two runs listed their images in; its interval resamples prompts."""
+def _bench_learning_module():
     import importlib.util
-
-    from serve_app.trainer.evaluation import PairedReference
 
     spec = importlib.util.spec_from_file_location("bench_learning", REPO / "benchmarks" / "bench_learning.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_every_bench_learning_variant_is_a_trainer_config():
+    """A variant's overrides are read only when a benchmark run reaches it, minutes in: each must load as a config."""
+    from serve_app.trainer.config import load_trainer_config
+
+    bench = _bench_learning_module()
+    algorithms = {name: load_trainer_config("trainer/shapes", overrides).trainer.algorithm
+                  for name, overrides in bench.VARIANTS.items()}
+    assert algorithms["demo"] == "flow_grpo" and algorithms["diffusion_nft_soft_late"] == "diffusion_nft"
+
+
+def test_bench_learning_pairs_a_variant_with_the_baseline_of_its_repeat_on_the_same_images():
+    """The paired difference against the demo: per repeat, the mean over images of (variant - baseline) on each
+    (prompt, seed), whatever order the two runs listed their images in; its interval resamples prompts."""
+    from serve_app.trainer.evaluation import PairedReference
+
+    bench = _bench_learning_module()
 
     def scores(values: dict) -> dict:
         return {"held_out": PairedReference(5, values)}
